@@ -1,0 +1,120 @@
+"""``DPPOConfig``: ``GRPOConfig`` plus the completion-pruning fields, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .pruning import SAMPLING_DESIGNS, SUPPORTED_LOSS_TYPES, UNBIASED_DESIGNS
+
+_DEFAULT_KEEP_RATE = 0.5
+_DEFAULT_KEEP_FLOOR = 0.05
+
+
+def _check_unit_interval(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a number in (0, 1].")
+
+
+@dataclass
+class DPPOConfig(GRPOConfig):
+    r"""Configuration of [`DPPOTrainer`]: every field of TRL's `GRPOConfig`, plus the pruning fields below.
+
+    Completion pruning draws, after TRL has computed advantages on the full groups, a random subset of the
+    generation batch: row `n` is kept with probability `pi_n = clip(|A_n| / tau, keep_floor, 1)` (rows with
+    `A_n == 0` that contribute nothing get `pi_n = 0`), and kept rows are weighted by `1 / pi_n`, so the
+    expected loss and gradient equal GRPO's exactly. See `docs/estimator.md`.
+    """
+
+    completion_keep_rate: float = field(
+        default=_DEFAULT_KEEP_RATE,
+        metadata={
+            "help": "Target fraction of the generation batch's completions that enter the log-prob and loss "
+            "passes, in (0, 1]. The keep probabilities sum to this fraction of the rows (more when "
+            "`keep_floor` forces it). 1.0 switches completion pruning off: the trainer is then exactly "
+            "`GRPOTrainer`. Not used by `prune_sampling='zero_variance'`."
+        },
+    )
+    keep_floor: float = field(
+        default=_DEFAULT_KEEP_FLOOR,
+        metadata={
+            "help": "Smallest keep probability of a row that can contribute to the loss, in (0, 1]. Bounds the "
+            "largest Horvitz-Thompson weight by 1 / keep_floor. Used by the unbiased designs only."
+        },
+    )
+    prune_sampling: str = field(
+        default="systematic",
+        metadata={
+            "help": "How the kept rows are drawn. 'systematic': fixed-size probability-proportional-to-size "
+            "sampling (unbiased, 1/pi weights, predictable work); 'poisson': independent Bernoulli(pi) "
+            "(unbiased, 1/pi weights); 'topk': CPPO's biased rule, keep the largest |A| with no weights; "
+            "'zero_variance': DAPO-style biased filter, drop groups whose rewards are all equal, no weights.",
+            "choices": list(SAMPLING_DESIGNS),
+        },
+    )
+    prune_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of the pruning decisions only (None: derived from `seed`). Runs with the same `seed` "
+            "and different `prune_seed` generate the same first completions and differ only in their masks. "
+            "Used by the random designs ('systematic', 'poisson')."
+        },
+    )
+
+    def __post_init__(self):
+        self._validate_dppo_fields()
+        super().__post_init__()
+
+    @property
+    def completion_pruning(self) -> bool:
+        """Whether completion pruning is on (otherwise the trainer is exactly `GRPOTrainer`)."""
+        return self.prune_sampling == "zero_variance" or self.completion_keep_rate < 1.0
+
+    def _validate_dppo_fields(self) -> None:
+        _check_unit_interval("completion_keep_rate", self.completion_keep_rate)
+        _check_unit_interval("keep_floor", self.keep_floor)
+        if self.prune_sampling not in SAMPLING_DESIGNS:
+            raise ValueError(
+                f"prune_sampling={self.prune_sampling!r} is invalid: it must be one of {list(SAMPLING_DESIGNS)}."
+            )
+        if self.prune_seed is not None and (
+            isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
+        ):
+            raise ValueError(f"prune_seed={self.prune_seed!r} is invalid: it must be None or an integer >= 0.")
+        if not self.completion_pruning:
+            return
+        biased = self.prune_sampling not in UNBIASED_DESIGNS
+        if self.prune_sampling == "zero_variance" and self.completion_keep_rate not in (_DEFAULT_KEEP_RATE, 1.0):
+            raise ValueError(
+                f"completion_keep_rate={self.completion_keep_rate!r} is not used by prune_sampling='zero_variance' "
+                "(it drops exactly the groups whose rewards are all equal); leave it at its default."
+            )
+        if biased and self.keep_floor != _DEFAULT_KEEP_FLOOR:
+            raise ValueError(
+                f"keep_floor={self.keep_floor!r} is not used by prune_sampling={self.prune_sampling!r}; "
+                f"it applies to {list(UNBIASED_DESIGNS)} only."
+            )
+        if biased and self.prune_seed is not None:
+            raise ValueError(
+                f"prune_seed={self.prune_seed!r} is not used by the deterministic prune_sampling="
+                f"{self.prune_sampling!r}; it applies to {list(UNBIASED_DESIGNS)} only."
+            )
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is not supported with completion pruning; "
+                f"expected one of {list(SUPPORTED_LOSS_TYPES)} (or completion_keep_rate=1.0)."
+            )
+        # Terms that are not a sum of per-row contributions cannot be reweighted row by row.
+        if self.top_entropy_quantile < 1.0:
+            raise ValueError(
+                f"top_entropy_quantile={self.top_entropy_quantile!r} cannot be combined with completion pruning: "
+                "the entropy quantile is taken over the micro-batch, so it changes with the kept rows and the "
+                "estimate would be biased. Use top_entropy_quantile=1.0 or completion_keep_rate=1.0."
+            )
+        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
+            raise ValueError(
+                f"entropy_coef={self.entropy_coef!r} / use_adaptive_entropy={self.use_adaptive_entropy!r}: the "
+                "entropy bonus is normalized per micro-batch by TRL and is not supported with completion pruning "
+                "yet. Use entropy_coef=0.0 and use_adaptive_entropy=False, or completion_keep_rate=1.0."
+            )

@@ -1,0 +1,202 @@
+"""Pure math of completion pruning: keep probabilities, sampling designs, Horvitz-Thompson weights.
+
+No TRL import here. Every function works on plain 1-D tensors over the rows of ONE generation batch
+(all ranks together), so that every rank, given the same inputs and generator, makes the same decision.
+
+Invariant of the unbiased designs (``systematic``, ``poisson``): row ``n`` is kept with probability exactly
+``pi[n]``; a kept row carries the weight ``1 / pi[n]``; a row with ``pi[n] == 0`` is never kept and must
+contribute exactly zero to the loss. Then ``E[sum_n keep_n * w_n * l_n] = sum_n l_n`` for any ``l``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SAMPLING_DESIGNS = ("systematic", "poisson", "topk", "zero_variance")
+UNBIASED_DESIGNS = ("systematic", "poisson")
+
+
+def keep_probabilities(
+    scores: torch.Tensor, keep_rate: float, keep_floor: float, zero_score_contributes: bool
+) -> tuple[torch.Tensor, float]:
+    """Keep probabilities ``pi = clip(score / tau, keep_floor, 1)`` with ``sum(pi) == keep_rate * N``.
+
+    Rows with ``score == 0`` get ``pi = 0`` unless ``zero_score_contributes`` (then they count like any row,
+    with ``pi = keep_floor``). When the budget ``keep_rate * N`` is larger than the number of eligible rows,
+    every eligible row is kept (``pi = 1``); when ``keep_floor`` alone exceeds the budget, every eligible row
+    gets ``keep_floor``: the design keeps more than the budget, never fewer.
+
+    Returns ``(pi, tau)`` in float64; ``tau`` is ``inf`` when every eligible row sits at the floor and ``0``
+    when every eligible row is kept.
+    """
+    scores = scores.detach().to(torch.float64).abs()
+    eligible = torch.ones_like(scores, dtype=torch.bool) if zero_score_contributes else scores > 0
+    pi = torch.zeros_like(scores)
+    num_eligible = int(eligible.sum())
+    if num_eligible == 0:
+        return pi, 0.0
+    budget = keep_rate * scores.numel()
+    s = scores[eligible]
+    if budget >= num_eligible:
+        pi[eligible] = 1.0
+        return pi, 0.0
+    if keep_floor * num_eligible >= budget or float(s.max()) == 0.0:
+        pi[eligible] = keep_floor
+        return pi, math.inf
+
+    def total(tau: float) -> float:
+        return float(torch.clamp(s / tau, min=keep_floor, max=1.0).sum())
+
+    # total(tau) is continuous and non-increasing: total(lo) >= budget >= total(hi).
+    lo, hi = float(s[s > 0].min()) * 1e-3, float(s.max()) / keep_floor
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if total(mid) > budget:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    # Solve exactly on the piece where the clipped sets are those of `hi`: the sum then hits the budget.
+    raw = s / hi
+    at_one, at_floor = raw >= 1.0, raw <= keep_floor
+    middle = ~(at_one | at_floor)
+    rest = budget - float(at_one.sum()) - keep_floor * float(at_floor.sum())
+    if middle.any() and rest > 0:
+        tau = float(s[middle].sum()) / rest
+        # Only accept the exact solution when it leaves the clipped sets unchanged.
+        exact = s / tau
+        if bool(((exact >= 1.0) == at_one).all() and ((exact <= keep_floor) == at_floor).all()):
+            hi = tau
+    pi[eligible] = torch.clamp(s / hi, min=keep_floor, max=1.0)
+    return pi, hi
+
+
+def systematic_sample(
+    pi: torch.Tensor, generator: torch.Generator | None = None, order: torch.Tensor | None = None, start=None
+) -> torch.Tensor:
+    """Systematic PPS sampling: keeps row ``n`` with probability exactly ``pi[n]`` and ``floor`` or ``ceil``
+    of ``sum(pi)`` rows in all.
+
+    Rows are laid out in ``order`` (a random permutation from ``generator`` when None) as consecutive
+    intervals of length ``pi``; the points ``start + k`` (``start ~ U[0, 1)``) pick the rows whose interval
+    holds one. An interval of length ``pi <= 1`` holds a point with probability exactly ``pi``.
+    """
+    n = pi.numel()
+    if order is None:
+        order = torch.randperm(n, generator=generator)
+    if start is None:
+        start = float(torch.rand((), generator=generator, dtype=torch.float64))
+    p = pi.detach().to(torch.float64)[order]
+    upper = torch.cumsum(p, 0)
+    lower = upper - p
+    # Row holds a point start + k iff ceil(lower - start) < ceil(upper - start), i.e. a new integer is crossed.
+    hit = torch.ceil(upper - start) > torch.ceil(lower - start)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order] = hit & (p > 0)
+    return keep
+
+
+def poisson_sample(pi: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Poisson sampling: row ``n`` kept independently with probability ``pi[n]``."""
+    u = torch.rand(pi.numel(), generator=generator, dtype=torch.float64)
+    return u < pi.detach().to(torch.float64)
+
+
+def topk_mask(scores: torch.Tensor, keep_rate: float) -> torch.Tensor:
+    """CPPO's biased rule: keep the ``ceil(keep_rate * N)`` rows of largest ``|score|`` (ties: lower index)."""
+    n = scores.numel()
+    k = min(n, math.ceil(keep_rate * n - 1e-9))
+    order = sorted(range(n), key=lambda i: (-abs(float(scores[i])), i))
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order[:k]] = True
+    return keep
+
+
+def zero_variance_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO-style filter: drop every row of a group whose (non-NaN) rewards are all equal."""
+    groups = rewards.detach().to(torch.float64).view(-1, group_size)
+    finite = ~torch.isnan(groups)
+    high = torch.where(finite, groups, torch.full_like(groups, -math.inf)).amax(dim=1)
+    low = torch.where(finite, groups, torch.full_like(groups, math.inf)).amin(dim=1)
+    varied = finite.sum(dim=1) > 0
+    varied &= high > low
+    return varied.repeat_interleave(group_size)
+
+
+def horvitz_thompson_weights(pi: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``1 / pi`` on kept rows, 0 elsewhere."""
+    pi = pi.detach().to(torch.float64)
+    safe = torch.where(keep, pi, torch.ones_like(pi))
+    return torch.where(keep, 1.0 / safe, torch.zeros_like(pi))
+
+
+def effective_sample_size(weights: torch.Tensor) -> float:
+    """Kish's effective sample size ``(sum w)^2 / sum w^2`` of the kept rows' weights (0 when none)."""
+    w = weights.detach().to(torch.float64)
+    sq = float((w * w).sum())
+    return float(w.sum()) ** 2 / sq if sq > 0 else 0.0
+
+
+# Loss types whose per-row contribution is the token MEAN of the row (the others: the token SUM).
+SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+
+
+def full_batch_normalizer(
+    loss_type: str,
+    rows_per_microbatch: int,
+    max_completion_length: int,
+    loss_tokens_in_generation_batch: float,
+    num_processes: int,
+    steps_per_generation: int,
+    accumulation_steps: int,
+) -> float:
+    """The normalizer ``Z`` of one micro-batch's loss, fixed by the FULL generation batch, never by the mask.
+
+    Summed over the ``steps_per_generation`` micro-batches of every rank (and averaged over ranks, as DDP
+    does), ``sum_n l_n / Z`` is TRL's full-batch loss: rows x ``GA`` (``grpo``, ``sapo``, ``luspo``: the mean
+    over rows), rows x ``max_completion_length`` x ``GA`` (``dr_grpo``), or the generation batch's loss tokens
+    ``/ P x GA / spg`` (``bnpo``, ``dapo``, ``cispo``, ``vespo``: the mean over tokens).
+    """
+    if loss_type in ("grpo", "sapo", "luspo"):
+        return float(rows_per_microbatch * accumulation_steps)
+    if loss_type == "dr_grpo":
+        return float(rows_per_microbatch * max_completion_length * accumulation_steps)
+    if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
+        return max(float(loss_tokens_in_generation_batch), 1.0) / num_processes * accumulation_steps / steps_per_generation
+    raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {SUPPORTED_LOSS_TYPES}")
+
+
+def trl_microbatch_normalizer(
+    loss_type: str,
+    rows_in_microbatch: int,
+    loss_tokens_in_microbatch: float,
+    max_completion_length: int,
+    loss_tokens_in_generation_batch: float,
+    num_processes: int,
+    steps_per_generation: int,
+    accumulation_steps: int,
+) -> float:
+    """The normalizer TRL 1.16's ``_compute_loss`` applies to a micro-batch in train mode: it counts the rows
+    (or, for ``bnpo``, the loss tokens) of THAT micro-batch, so after pruning it must be replaced."""
+    if loss_type in ("grpo", "sapo", "luspo"):
+        return float(rows_in_microbatch * accumulation_steps)
+    if loss_type == "dr_grpo":
+        return float(rows_in_microbatch * max_completion_length * accumulation_steps)
+    if loss_type == "bnpo":
+        return max(float(loss_tokens_in_microbatch), 1.0) * accumulation_steps
+    return full_batch_normalizer(
+        loss_type, rows_in_microbatch, max_completion_length, loss_tokens_in_generation_batch,
+        num_processes, steps_per_generation, accumulation_steps,
+    )
+
+
+def microbatch_sizes(kept_rows_per_rank: list[int], num_microbatches: int) -> list[int]:
+    """Rows of each micro-batch, the same on every rank: the kept rows of the fullest rank split as evenly
+    as possible, and at least one row (a zero-weight filler where a rank has none left) per micro-batch."""
+    most = max(kept_rows_per_rank) if kept_rows_per_rank else 0
+    base, extra = divmod(most, num_microbatches)
+    return [max(1, base + (1 if i < extra else 0)) for i in range(num_microbatches)]

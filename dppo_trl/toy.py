@@ -1,0 +1,130 @@
+"""An offline toy task for demos and tests: a character-level tokenizer, a tiny random-init Qwen2, and
+two-digit addition (``"47+38="`` -> ``"85"``) with an exact-answer reward. Nothing here touches the Hub."""
+
+from __future__ import annotations
+
+import random
+import string
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer():
+    """Character-level fast tokenizer over ``string.printable`` plus ChatML specials (left padding)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
+    """A random-init Qwen2 causal LM sized for a CPU test (tied embeddings, fp32, sdpa attention)."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    return model
+
+
+def save_tiny_model(directory: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> str:
+    """Build and save a tiny model and its tokenizer to ``directory``; return the path (load it like a hub id)."""
+    directory = str(directory)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size, num_layers, seed)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def addition_pairs(seed: int = 0, holdout_fraction: float = 0.1):
+    """All two-digit sums ``a+b`` split at random into (train, held-out) lists of ``(a, b)``."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    cut = int(len(pairs) * holdout_fraction)
+    return pairs[cut:], pairs[:cut]
+
+
+def addition_dataset(pairs):
+    """A ``datasets.Dataset`` of plain-text prompts ``"a+b="`` with the answer column used by the reward."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
+
+
+def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion, stripped, is exactly the answer; else 0.0."""
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def supervised_warm_start(model, tokenizer, pairs, steps: int = 200, batch_size: int = 256, lr: float = 1e-3, seed: int = 0):
+    """Plain next-token training on ``"a+b=" + answer + eos`` (loss on the answer only)."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    eos = tokenizer.eos_token
+    for _ in range(steps):
+        batch = rng.sample(pairs, min(batch_size, len(pairs)))
+        prompts = [f"{a}+{b}=" for a, b in batch]
+        texts = [p + str(a + b) + eos for p, (a, b) in zip(prompts, batch)]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        labels = enc["input_ids"].clone()
+        labels[enc["attention_mask"] == 0] = -100
+        for i, p in enumerate(prompts):
+            pad = int((enc["attention_mask"][i] == 0).sum())
+            labels[i, : pad + len(p)] = -100
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, pairs, greedy: bool = True, max_new_tokens: int = 4, limit: int = 200) -> float:
+    """Fraction of ``pairs`` answered exactly (greedy or sampled at temperature 1)."""
+    pairs = pairs[:limit]
+    prompts = [f"{a}+{b}=" for a, b in pairs]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=1.0 if not greedy else None,
+                         top_p=None, top_k=None)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1):], skip_special_tokens=True)
+    return sum(t.strip() == str(a + b) for t, (a, b) in zip(texts, pairs)) / max(len(pairs), 1)

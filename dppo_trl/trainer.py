@@ -1,0 +1,310 @@
+"""``DPPOTrainer``: TRL's ``GRPOTrainer`` with unbiased completion pruning wired into four of its hooks.
+
+- ``_generate_and_score_completions``: TRL generates, scores and computes advantages on the FULL groups; the
+  old-policy and reference log-prob passes it would run before scoring are only recorded, then run after
+  the keep mask is drawn, on the kept rows alone.
+- ``_prepare_inputs``: TRL's shuffle, then the kept rows (not TRL's equal split of all rows) make the
+  ``steps_per_generation`` micro-batches.
+- ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled
+  to the full-batch normalizer; the KL term (``beta > 0``) is weighted the same way.
+- ``_get_per_token_logps_and_entropies``: defers (records) the log-prob passes during generation.
+
+The math lives in ``dppo_trl.pruning``; with ``completion_keep_rate=1.0`` every hook is TRL's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import shuffle_sequence_dict, use_adapter
+
+from .config import DPPOConfig
+from .pruning import (
+    SEQUENCE_MEAN_LOSS_TYPES,
+    effective_sample_size,
+    full_batch_normalizer,
+    horvitz_thompson_weights,
+    keep_probabilities,
+    microbatch_sizes,
+    poisson_sample,
+    systematic_sample,
+    topk_mask,
+    trl_microbatch_normalizer,
+    zero_variance_mask,
+)
+
+
+def select_rows(batch: dict, index: torch.Tensor) -> dict:
+    """Rows ``index`` of every per-row entry of a TRL batch dict; scalars (0-dim tensors) and None pass through."""
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            out[key] = value[index.to(value.device)]
+        elif isinstance(value, list):
+            out[key] = [value[i] for i in index.tolist()]
+        else:
+            out[key] = value
+    return out
+
+
+class DPPOTrainer(GRPOTrainer):
+    """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
+    batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
+
+    _tag_names = ["trl", "grpo", "dppo"]
+
+    def __init__(self, model, reward_funcs, args: DPPOConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = DPPOConfig(f"{str(name).split('/')[-1] or 'model'}-DPPO")
+        if not isinstance(args, DPPOConfig):
+            raise TypeError(
+                f"DPPOTrainer needs args of type DPPOConfig, got {type(args).__name__}: build it with "
+                "DPPOConfig(...) (it accepts every GRPOConfig field)."
+            )
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        if args.completion_pruning and self.aux_loss_enabled:
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef!r}: the MoE load-balancing loss is not a sum of "
+                "per-row terms and cannot be reweighted; set router_aux_loss_coef=0.0 or completion_keep_rate=1.0."
+            )
+        self._deferred_logp_calls: list | None = None
+        self._captured_logps: list | None = None
+        self._last_rewards_per_func: torch.Tensor | None = None
+        self._kept_rows_per_rank: list[int] = []
+
+    # ------------------------------------------------------------------ hooks
+    def _pruning_now(self) -> bool:
+        return self.args.completion_pruning and self.model.training
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        calls = self._deferred_logp_calls
+        # With vLLM's importance-sampling correction TRL builds the IS ratio from the old-policy pass inside
+        # generation, so that pass (the first one) runs on all rows; later passes are still deferred.
+        vllm_old_pass = self.use_vllm and self.vllm_importance_sampling_correction and calls is not None and not calls
+        if calls is not None and not vllm_old_pass:
+            calls.append(model)
+            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
+            return placeholder, None, None
+        if calls is not None:
+            calls.append(None)  # computed for real
+        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if self._captured_logps is not None:
+            self._captured_logps.append(out[0])
+        return out
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        if not self._pruning_now():
+            return super()._generate_and_score_completions(inputs)
+        self._deferred_logp_calls = []
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            calls, self._deferred_logp_calls = self._deferred_logp_calls, None
+        if any(key in output for key in ("pixel_values", "num_images")):
+            raise NotImplementedError(
+                "Completion pruning does not support multimodal batches yet; set completion_keep_rate=1.0."
+            )
+        keep, weights, forward = self._draw_keep_mask(output)
+        self._run_deferred_logps(output, calls, forward)
+        output["dppo_keep"] = keep
+        output["dppo_forward"] = forward
+        output["dppo_weight"] = weights.to(torch.float32)
+        return output
+
+    def _prepare_inputs(self, generation_batch):
+        if not self._pruning_now():
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            # TRL's own shuffle: it draws from the global RNG exactly as GRPOTrainer does, whatever was pruned.
+            batch = shuffle_sequence_dict(batch)
+            self._buffered_inputs = self._kept_microbatches(batch)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _compute_loss(self, model, inputs):
+        if "dppo_weight" not in inputs:
+            return super()._compute_loss(model, inputs)
+        inputs = dict(inputs)
+        weight = inputs.pop("dppo_weight")
+        advantages = inputs["advantages"]
+        row_weight = weight.to(advantages.dtype)
+        # Every TRL loss_type is positively homogeneous in A per row (clipping, SAPO/VESPO gates depend on
+        # sign(A) only), so A * w scales the row's policy term by w exactly, in value and gradient.
+        inputs["advantages"] = advantages * (row_weight if advantages.dim() == 1 else row_weight.unsqueeze(1))
+        beta, self.beta = self.beta, 0.0
+        self._captured_logps = []
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self.beta = beta
+            captured, self._captured_logps = self._captured_logps, None
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        norm_args = dict(
+            max_completion_length=self.max_completion_length,
+            loss_tokens_in_generation_batch=float(inputs["num_items_in_batch"]),
+            num_processes=self.accelerator.num_processes,
+            steps_per_generation=self.args.steps_per_generation,
+            accumulation_steps=self.current_gradient_accumulation_steps,
+        )
+        full_z = full_batch_normalizer(self.loss_type, self.args.per_device_train_batch_size, **norm_args)
+        trl_z = trl_microbatch_normalizer(self.loss_type, mask.size(0), float(mask.sum()), **norm_args)
+        loss = loss * (trl_z / full_z)
+        if beta != 0.0:
+            loss = loss + beta * self._weighted_kl(captured[0], inputs, mask, weight) / full_z
+        return loss
+
+    # ------------------------------------------------------------- internals
+    def _weighted_kl(self, per_token_logps, inputs, mask, weight) -> torch.Tensor:
+        """``sum_n w_n * kl_n`` over the micro-batch (kl_n: TRL's k3 estimator, token mean or sum per row)."""
+        ref = inputs["ref_per_token_logps"]
+        per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        if self.args.use_bias_correction_kl:
+            old = inputs.get("old_per_token_logps")
+            log_ratio = per_token_logps - (per_token_logps.detach() if old is None else old)
+            if self.importance_sampling_level == "sequence":
+                log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+            per_token_kl = per_token_kl * torch.exp(log_ratio)
+        row_kl = (per_token_kl * mask).sum(-1)
+        if self.loss_type in SEQUENCE_MEAN_LOSS_TYPES:
+            row_kl = row_kl / mask.sum(-1).clamp(min=1.0)
+        w = weight.to(row_kl.dtype)
+        # TRL's "kl" metric: the token mean, here the Horvitz-Thompson (weighted) estimate of the full batch's.
+        stats = torch.stack([(per_token_kl.detach() * mask * w.unsqueeze(1)).sum(), (mask * w.unsqueeze(1)).sum()])
+        stats = self.accelerator.reduce(stats, reduction="sum")
+        self._metrics["train"]["kl"].append((stats[0] / stats[1].clamp(min=1e-12)).item())
+        return (row_kl * w).sum()
+
+    def _prune_seed(self) -> int:
+        base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
+        # One draw per generation batch, indexed by the training position so a resumed run draws the same.
+        draw = self.state.global_step * self.args.gradient_accumulation_steps + (
+            self._step % self.args.gradient_accumulation_steps
+        )
+        return (base * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
+
+    def _draw_keep_mask(self, output):
+        """The global keep decision (identical on every rank), as this rank's (keep, weight, forward) rows."""
+        local_rows = output["advantages"].size(0)
+        advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
+        if advantages.dim() > 1:
+            advantages = advantages.abs().amax(dim=1)
+        lengths = self.accelerator.gather(output["completion_mask"].sum(1)).float().cpu()
+        prompt_lengths = self.accelerator.gather(output["prompt_mask"].sum(1)).float().cpu()
+        design, rate = self.args.prune_sampling, self.args.completion_keep_rate
+        generator = torch.Generator().manual_seed(self._prune_seed())
+        pi = None
+        if design == "topk":
+            keep = topk_mask(advantages, rate)
+            weights = keep.double()
+        elif design == "zero_variance":
+            rewards = (self._last_rewards_per_func * self.reward_weights.to(self._last_rewards_per_func.device)).nansum(1)
+            rewards[torch.isnan(self._last_rewards_per_func).all(dim=1)] = torch.nan
+            keep = zero_variance_mask(rewards.cpu(), self.num_generations)
+            weights = keep.double()
+        else:
+            # A row with A == 0 contributes exactly zero unless a term without A (the KL) is on.
+            pi, tau = keep_probabilities(advantages, rate, self.args.keep_floor, zero_score_contributes=self.beta != 0.0)
+            sample = systematic_sample if design == "systematic" else poisson_sample
+            keep = sample(pi, generator)
+            weights = horvitz_thompson_weights(pi, keep)
+
+        rank = self.accelerator.process_index
+        per_rank = keep.view(self.accelerator.num_processes, local_rows)
+        self._kept_rows_per_rank = per_rank.sum(dim=1).tolist()
+        local = slice(rank * local_rows, (rank + 1) * local_rows)
+        local_keep = keep[local]
+        forward = local_keep.clone()
+        if not forward.any():
+            forward[0] = True  # one row to build zero-weight fillers from (see _kept_microbatches)
+        self._log_pruning_metrics(keep, weights, pi, advantages, lengths, prompt_lengths)
+        device = output["advantages"].device
+        return local_keep.to(device), weights[local].to(device), forward.to(device)
+
+    def _log_pruning_metrics(self, keep, weights, pi, advantages, lengths, prompt_lengths):
+        metrics = self._metrics["train"]
+        n = keep.numel()
+        kept_tokens = float(lengths[keep].sum())
+        total_tokens = float(lengths.sum())
+        sequence_tokens = lengths + prompt_lengths
+        metrics["dppo/kept_fraction"].append(float(keep.float().mean()))
+        metrics["dppo/kept_prompt_fraction"].append(float(keep.view(-1, self.num_generations).any(1).float().mean()))
+        metrics["dppo/kept_token_fraction"].append(kept_tokens / total_tokens if total_tokens > 0 else 0.0)
+        metrics["dppo/zero_advantage_fraction"].append(float((advantages == 0).float().mean()))
+        metrics["dppo/ess"].append(effective_sample_size(weights[keep]))
+        metrics["dppo/weight_max"].append(float(weights.max()) if n else 0.0)
+        if pi is not None:
+            metrics["dppo/expected_keep_fraction"].append(float(pi.sum()) / n)
+        # Work of the log-prob and loss passes scales with the sequence tokens they see.
+        metrics["dppo/compute_saved"].append(1.0 - float(sequence_tokens[keep].sum()) / float(sequence_tokens.sum()))
+
+    @torch.no_grad()
+    def _run_deferred_logps(self, output, calls, forward):
+        """Run the log-prob passes TRL deferred, on the ``forward`` rows only; other rows hold zeros."""
+        rows = forward.nonzero().flatten()
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)[rows]
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)[rows]
+        logits_to_keep = output["completion_ids"].size(1)
+        batch_size = self.args.per_device_train_batch_size
+        # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
+        names = ["old_per_token_logps", "ref_per_token_logps"][-len(calls):] if self.beta != 0.0 else ["old_per_token_logps"]
+        for name, model in zip(names, calls):
+            if model is None:  # already computed by TRL (vLLM importance-sampling old pass)
+                continue
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                if name == "ref_per_token_logps" and self.ref_model is None:
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                        logps = self._logps_of(self.model, input_ids, attention_mask, logits_to_keep, batch_size)
+                else:
+                    logps = self._logps_of(model, input_ids, attention_mask, logits_to_keep, batch_size)
+            full = output[name]
+            full[rows] = logps.to(full.dtype)
+
+    def _logps_of(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+        )[0]
+
+    def _kept_microbatches(self, batch) -> list[dict]:
+        """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches whose
+        row counts are the same on every rank; a slot with no kept row left holds a zero-weight filler row."""
+        keep = batch.pop("dppo_keep")
+        forward = batch.pop("dppo_forward")
+        kept = keep.nonzero().flatten()
+        filler = kept[:1] if kept.numel() else forward.nonzero().flatten()[:1]
+        sizes = microbatch_sizes(self._kept_rows_per_rank, self.args.steps_per_generation)
+        microbatches, start = [], 0
+        lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).float()
+        width = batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
+        real, allocated, tokens_per_mb = 0.0, 0.0, []
+        for size in sizes:
+            rows = kept[start : start + size]
+            start += rows.numel()
+            num_fillers = size - rows.numel()
+            mb = select_rows(batch, torch.cat([rows, filler.repeat(num_fillers)]))
+            if num_fillers:
+                mb["dppo_weight"] = mb["dppo_weight"].clone()
+                mb["dppo_weight"][rows.numel() :] = 0.0
+                mb["advantages"] = mb["advantages"].clone()
+                mb["advantages"][rows.numel() :] = 0.0
+            microbatches.append(mb)
+            tokens = float(lengths[rows].sum())
+            tokens_per_mb.append(tokens)
+            real += tokens
+            allocated += size * width
+        stats = torch.tensor([real, allocated, max(tokens_per_mb), sum(tokens_per_mb) / len(sizes)])
+        stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
+        metrics = self._metrics["train"]
+        metrics["dppo/token_density"].append(float(stats[0] / stats[1]) if stats[1] > 0 else 0.0)
+        metrics["dppo/microbatch_imbalance"].append(float(stats[2] / stats[3]) if stats[3] > 0 else 1.0)
+        return microbatches

@@ -1,0 +1,52 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from dppo_trl.toy import addition_dataset, addition_pairs, exact_answer_reward, save_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), hidden_size=32, num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def train_dataset():
+    train, _ = addition_pairs(seed=0)
+    return addition_dataset(train[:64])
+
+
+def random_reward(completions, **kwargs):
+    """A reward with spread (so advantages are non-zero) that depends only on the completion text."""
+    return [float((sum(map(ord, c)) * 7919) % 5) for c in completions]
+
+
+def cpu_config(tmp_path, cls=None, **overrides):
+    from dppo_trl import DPPOConfig
+
+    cls = cls or DPPOConfig
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        bf16=False,
+        use_cpu=True,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        max_steps=2,
+        seed=0,
+        temperature=1.0,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+REWARDS = [random_reward, exact_answer_reward]
