@@ -42,9 +42,17 @@ def keep_probabilities(
     if budget >= num_eligible:
         pi[eligible] = 1.0
         return pi, 0.0
-    if keep_floor * num_eligible >= budget or float(s.max()) == 0.0:
+    if keep_floor * num_eligible >= budget:
         pi[eligible] = keep_floor
         return pi, math.inf
+    positive = s > 0
+    num_zero = num_eligible - int(positive.sum())
+    if int(positive.sum()) + keep_floor * num_zero <= budget:
+        # Even tau -> 0 leaves the budget unmet: keep every positive row, raise the eligible zero-score rows.
+        pi_eligible = torch.ones_like(s)
+        pi_eligible[~positive] = min(1.0, (budget - float(positive.sum())) / num_zero)
+        pi[eligible] = pi_eligible
+        return pi, 0.0
 
     def total(tau: float) -> float:
         return float(torch.clamp(s / tau, min=keep_floor, max=1.0).sum())

@@ -1,0 +1,186 @@
+"""The pure pruning math: keep probabilities, sampling designs, weights, normalizers."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dppo_trl.pruning import (
+    effective_sample_size,
+    full_batch_normalizer,
+    horvitz_thompson_weights,
+    keep_probabilities,
+    microbatch_sizes,
+    poisson_sample,
+    systematic_sample,
+    topk_mask,
+    trl_microbatch_normalizer,
+    zero_variance_mask,
+)
+
+scores_strategy = st.lists(st.one_of(st.just(0.0), st.floats(1e-3, 10.0)), min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=scores_strategy, rate=st.floats(0.05, 1.0), floor=st.floats(0.01, 1.0), zero=st.booleans())
+def test_keep_probabilities_meet_the_budget_within_bounds(scores, rate, floor, zero):
+    s = torch.tensor(scores, dtype=torch.float64)
+    pi, _ = keep_probabilities(s, rate, floor, zero_score_contributes=zero)
+    eligible = torch.ones_like(s, dtype=torch.bool) if zero else s > 0
+    assert torch.all(pi[~eligible] == 0)
+    assert torch.all((pi[eligible] >= floor - 1e-12) & (pi[eligible] <= 1 + 1e-12))
+    budget = rate * len(scores)
+    e = int(eligible.sum())
+    if e == 0:
+        return
+    if budget >= e:
+        assert torch.allclose(pi[eligible], torch.ones(e, dtype=torch.float64))
+    elif floor * e >= budget:
+        # The floor alone exceeds the budget: keep more, never fewer.
+        assert float(pi.sum()) >= budget - 1e-9
+    else:
+        assert float(pi.sum()) == pytest.approx(budget, rel=1e-9, abs=1e-9)
+    # Monotone in the score among the eligible rows.
+    order = torch.argsort(s[eligible])
+    assert torch.all(torch.diff(pi[eligible][order]) >= -1e-12)
+
+
+def test_keep_probabilities_proportional_between_the_clips():
+    s = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 100.0])
+    pi, tau = keep_probabilities(s, keep_rate=0.5, keep_floor=0.05, zero_score_contributes=False)
+    assert pi[0] == 0 and pi[5] == 1.0
+    assert float(pi.sum()) == pytest.approx(3.0)
+    assert pi[1:5].tolist() == pytest.approx((s[1:5] / tau).tolist())
+    pi_kl, _ = keep_probabilities(s, keep_rate=0.5, keep_floor=0.05, zero_score_contributes=True)
+    assert pi_kl[0] == pytest.approx(0.05)
+
+
+def _systematic_outcomes(pi, order):
+    """Every outcome of systematic sampling for a fixed order, with its exact probability (the start point
+    u ~ U[0,1) only matters through which breakpoints frac(cumsum) it lies between)."""
+    p = pi.to(torch.float64)[order]
+    cuts = sorted({0.0, 1.0, *[float(c) % 1.0 for c in torch.cumsum(p, 0)]})
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        if hi - lo > 0:
+            yield hi - lo, systematic_sample(pi, order=order, start=0.5 * (lo + hi))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_systematic_inclusion_probabilities_are_exact(seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(9, generator=g) * torch.randint(0, 2, (9,), generator=g)
+    pi, _ = keep_probabilities(s, 0.4, 0.1, zero_score_contributes=False)
+    order = torch.randperm(9, generator=g)
+    inclusion = torch.zeros(9, dtype=torch.float64)
+    total = 0.0
+    for prob, keep in _systematic_outcomes(pi, order):
+        inclusion += prob * keep.double()
+        total += prob
+        assert int(keep.sum()) in (math.floor(float(pi.sum()) + 1e-9), math.ceil(float(pi.sum()) - 1e-9))
+    assert total == pytest.approx(1.0)
+    assert inclusion.tolist() == pytest.approx(pi.tolist(), abs=1e-9)
+
+
+def _chi_square_ok(counts, expected, dof):
+    stat = float((((counts - expected) ** 2) / expected).sum())
+    # 99.9% quantile of chi-square via the Wilson-Hilferty approximation.
+    z = 3.09
+    q = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat < q, stat, q
+
+
+@pytest.mark.parametrize("design", ["systematic", "poisson"])
+def test_inclusion_frequencies_match_pi(design):
+    s = torch.tensor([0.1, 0.2, 0.5, 1.0, 1.5, 2.0, 3.0, 0.05, 0.7, 4.0, 0.0, 0.3])
+    pi, _ = keep_probabilities(s, 0.4, 0.05, zero_score_contributes=False)
+    g = torch.Generator().manual_seed(123)
+    draws = 20000
+    counts = torch.zeros(len(s), dtype=torch.float64)
+    sizes = set()
+    for _ in range(draws):
+        keep = systematic_sample(pi, g) if design == "systematic" else poisson_sample(pi, g)
+        counts += keep.double()
+        sizes.add(int(keep.sum()))
+    assert counts[s == 0].sum() == 0
+    live = pi > 0
+    # Per-row binomial chi-square: (kept, dropped) counts against (pi, 1 - pi).
+    expected_keep = draws * pi[live]
+    expected_drop = draws * (1 - pi[live])
+    cells = torch.cat([counts[live], draws - counts[live]])
+    expected = torch.cat([expected_keep, expected_drop])
+    nonzero = expected > 0
+    ok, stat, q = _chi_square_ok(cells[nonzero], expected[nonzero], dof=int(live.sum()))
+    assert ok, f"chi-square {stat:.1f} above the 99.9% quantile {q:.1f}"
+    if design == "systematic":
+        assert sizes <= {math.floor(float(pi.sum())), math.ceil(float(pi.sum()))}
+
+
+def test_exact_unbiasedness_of_horvitz_thompson_over_all_poisson_masks():
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(7, dtype=torch.float64, generator=g)
+    s = values.abs()
+    s[2] = 0.0
+    values[2] = 0.0  # a zero-score row contributes zero
+    pi, _ = keep_probabilities(s, 0.5, 0.1, zero_score_contributes=False)
+    expectation = 0.0
+    for bits in itertools.product([False, True], repeat=7):
+        keep = torch.tensor(bits)
+        prob = float(torch.where(keep, pi, 1 - pi).prod())
+        if prob == 0.0:
+            continue
+        expectation += prob * float((horvitz_thompson_weights(pi, keep) * values).sum())
+    assert expectation == pytest.approx(float(values.sum()), abs=1e-12)
+
+
+def test_topk_keeps_exactly_the_largest_abs_scores():
+    s = torch.tensor([0.3, -2.0, 0.0, 1.5, -0.1, 0.9, 2.5, -1.0])
+    keep = topk_mask(s, 0.5)
+    assert keep.tolist() == [False, True, False, True, False, False, True, True]
+    assert int(topk_mask(s, 0.01).sum()) == 1
+    assert bool(topk_mask(s, 1.0).all())
+
+
+def test_zero_variance_drops_exactly_equal_reward_groups():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, float("nan"), 0.5])
+    keep = zero_variance_mask(rewards, group_size=4)
+    assert keep.tolist() == [True] * 4 + [False] * 4 + [False] * 4
+    keep = zero_variance_mask(torch.tensor([0.0, 1.0, 2.0, 2.0]), group_size=2)
+    assert keep.tolist() == [True, True, False, False]
+
+
+def test_weights_and_ess():
+    pi = torch.tensor([0.5, 0.25, 1.0, 0.0])
+    keep = torch.tensor([True, False, True, False])
+    w = horvitz_thompson_weights(pi, keep)
+    assert w.tolist() == [2.0, 0.0, 1.0, 0.0]
+    assert effective_sample_size(torch.tensor([1.0, 1.0, 1.0])) == pytest.approx(3.0)
+    assert effective_sample_size(torch.tensor([2.0, 1.0])) == pytest.approx(9 / 5)
+    assert effective_sample_size(torch.tensor([])) == 0.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"])
+def test_normalizers_agree_when_nothing_is_pruned(loss_type):
+    # With full micro-batches (and, for bnpo, a micro-batch holding its share of tokens) TRL's normalizer is
+    # the full-batch one.
+    args = dict(max_completion_length=16, loss_tokens_in_generation_batch=800.0, num_processes=2,
+                steps_per_generation=4, accumulation_steps=2)
+    full = full_batch_normalizer(loss_type, 8, **args)
+    trl = trl_microbatch_normalizer(loss_type, 8, 100.0, **args)
+    assert trl == pytest.approx(full)
+    pruned = trl_microbatch_normalizer(loss_type, 3, 30.0, **args)
+    assert (pruned == pytest.approx(full)) == (loss_type in ("dapo", "cispo", "vespo"))
+
+
+def test_unknown_loss_type_is_rejected():
+    with pytest.raises(ValueError, match="loss_type"):
+        full_batch_normalizer("nope", 1, 1, 1.0, 1, 1, 1)
+
+
+def test_microbatch_sizes():
+    assert microbatch_sizes([5], 2) == [3, 2]
+    assert microbatch_sizes([1], 3) == [1, 1, 1]
+    assert microbatch_sizes([0], 2) == [1, 1]
+    assert microbatch_sizes([7, 2], 3) == [3, 2, 2]

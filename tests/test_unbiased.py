@@ -1,0 +1,165 @@
+"""Exact oracle (DESIGN.md section 6): over every Poisson mask and every systematic start point, the expected
+DPPO loss and gradient equal the full-batch loss and gradient, for every TRL loss_type, beta 0 and > 0,
+with clipping active. With everything kept, the loss is GRPOTrainer's own."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import cpu_config, random_reward
+from trl import GRPOTrainer
+
+from dppo_trl import DPPOTrainer
+from dppo_trl.pruning import horvitz_thompson_weights, keep_probabilities, systematic_sample
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"]
+N_ROWS = 6
+
+
+def make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, **extra):
+    args = cpu_config(
+        tmp_path,
+        loss_type=loss_type,
+        beta=beta,
+        per_device_train_batch_size=N_ROWS // spg,
+        steps_per_generation=spg,
+        gradient_accumulation_steps=spg,
+        num_generations=2,
+        max_completion_length=5,
+        epsilon=0.2,
+        completion_keep_rate=0.5,
+        keep_floor=0.1,
+        **extra,
+    )
+    trainer = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = spg
+    return trainer
+
+
+def synthetic_batch(trainer, seed=0):
+    """A generation batch as TRL's `_generate_and_score_completions` returns it, with old and reference
+    log-probs away from the current policy (so clipping is active) and one zero-advantage row."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    pad = trainer.processing_class.pad_token_id
+    prompt_len, comp_len = 4, 5
+    prompt_ids = torch.randint(10, vocab, (N_ROWS, prompt_len), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids[0, 0], prompt_mask[0, 0] = pad, 0  # left padding
+    completion_ids = torch.randint(10, vocab, (N_ROWS, comp_len), generator=g)
+    lengths = torch.tensor([5, 3, 4, 1, 5, 2])
+    completion_mask = (torch.arange(comp_len)[None, :] < lengths[:, None]).long()
+    completion_ids[completion_mask == 0] = pad
+    advantages = torch.tensor([1.3, 0.0, -0.7, 0.2, -1.6, 0.9])
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        logps = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, input_ids, attention, comp_len)[0]
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "old_per_token_logps": logps + 0.5 * torch.randn(logps.shape, generator=g),
+        "ref_per_token_logps": logps + 0.3 * torch.randn(logps.shape, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+
+
+def dppo_loss_and_grad(trainer, batch, keep, weights):
+    """Total loss and gradient of one generation batch through DPPOTrainer's own split and loss."""
+    b = dict(batch)
+    b["dppo_keep"] = keep
+    forward = keep.clone()
+    if not forward.any():
+        forward[0] = True
+    b["dppo_forward"] = forward
+    b["dppo_weight"] = weights.float()
+    trainer._kept_rows_per_rank = [int(keep.sum())]
+    trainer.model.zero_grad()
+    total = 0.0
+    for mb in trainer._kept_microbatches(b):
+        loss = trainer._compute_loss(trainer.model, mb)
+        loss.backward()
+        total += loss.item()
+    grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+                      for p in trainer.model.parameters() if p.requires_grad])
+    return torch.tensor(total, dtype=torch.float64), grad.double()
+
+
+def expectation(trainer, batch, outcomes):
+    loss, grad, total_prob = 0.0, 0.0, 0.0
+    for prob, keep, weights in outcomes:
+        l, g = dppo_loss_and_grad(trainer, batch, keep, weights)
+        loss, grad, total_prob = loss + prob * l, grad + prob * g, total_prob + prob
+    assert total_prob == pytest.approx(1.0)
+    return loss, grad
+
+
+def poisson_outcomes(pi):
+    for bits in itertools.product([False, True], repeat=len(pi)):
+        keep = torch.tensor(bits)
+        prob = float(torch.where(keep, pi, 1 - pi).prod())
+        if prob > 0:
+            yield prob, keep, horvitz_thompson_weights(pi, keep)
+
+
+def systematic_outcomes(pi, order):
+    cuts = sorted({0.0, 1.0, *[float(c) % 1.0 for c in torch.cumsum(pi[order], 0)]})
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        if hi - lo > 1e-15:
+            keep = systematic_sample(pi, order=order, start=0.5 * (lo + hi))
+            yield hi - lo, keep, horvitz_thompson_weights(pi, keep)
+
+
+CASES = [(lt, beta, spg) for lt in LOSS_TYPES for beta in (0.0, 0.05) for spg in (1, 3)]
+
+
+@pytest.mark.parametrize("loss_type,beta,spg", CASES)
+def test_expected_loss_and_gradient_equal_the_full_batch(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg):
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg)
+    batch = synthetic_batch(trainer)
+    all_rows = torch.ones(N_ROWS, dtype=torch.bool)
+    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, all_rows, torch.ones(N_ROWS))
+    assert full_grad.abs().sum() > 0
+
+    pi, _ = keep_probabilities(batch["advantages"], 0.5, 0.1, zero_score_contributes=beta != 0.0)
+    assert (pi[1] == 0) == (beta == 0.0)  # the zero-advantage row is dropped only when it contributes nothing
+    assert ((pi > 0) & (pi < 1)).sum() >= 3  # a genuinely random design
+
+    loss, grad = expectation(trainer, batch, poisson_outcomes(pi))
+    assert float(loss) == pytest.approx(float(full_loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, full_grad, rtol=1e-4, atol=1e-7)
+
+    order = torch.randperm(N_ROWS, generator=torch.Generator().manual_seed(1))
+    loss, grad = expectation(trainer, batch, systematic_outcomes(pi, order))
+    assert float(loss) == pytest.approx(float(full_loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, full_grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_full_batch_loss_is_grpo_trainers_loss(tmp_path, tiny_model_dir, train_dataset, loss_type, beta):
+    """With one micro-batch and every row kept at weight 1, DPPO's loss and gradient are TRL's own."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg=1)
+    batch = synthetic_batch(trainer)
+    loss, grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool), torch.ones(N_ROWS))
+    trainer.model.zero_grad()
+    trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, batch)
+    trl_loss.backward()
+    trl_grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad]).double()
+    assert float(loss) == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, trl_grad, rtol=1e-4, atol=1e-7)
+
+
+def test_sequence_level_importance_sampling_is_unbiased_too(tmp_path, tiny_model_dir, train_dataset):
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "grpo", 0.05, 3,
+                           importance_sampling_level="sequence", use_bias_correction_kl=True)
+    batch = synthetic_batch(trainer, seed=3)
+    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool), torch.ones(N_ROWS))
+    pi, _ = keep_probabilities(batch["advantages"], 0.5, 0.1, zero_score_contributes=True)
+    loss, grad = expectation(trainer, batch, poisson_outcomes(pi))
+    assert float(loss) == pytest.approx(float(full_loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, full_grad, rtol=1e-4, atol=1e-7)
