@@ -1,0 +1,87 @@
+"""Every invalid value of every DPPO field is rejected at construction, naming the field."""
+
+import dataclasses
+
+import pytest
+from trl import GRPOConfig
+
+from dppo_trl import DPPOConfig
+
+BASE = dict(output_dir="unused", bf16=False, use_cpu=True, report_to=[])
+
+DPPO_FIELDS = {"completion_keep_rate", "keep_floor", "prune_sampling", "prune_seed"}
+
+
+def make(**kwargs):
+    return DPPOConfig(**{**BASE, **kwargs})
+
+
+def test_fields_are_documented_and_subclass_grpo():
+    assert issubclass(DPPOConfig, GRPOConfig)
+    own = {f.name: f for f in dataclasses.fields(DPPOConfig)} .keys() - {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert own == DPPO_FIELDS
+    for f in dataclasses.fields(DPPOConfig):
+        if f.name in DPPO_FIELDS:
+            assert len(f.metadata.get("help", "")) > 40, f.name
+
+
+def test_defaults():
+    cfg = make()
+    assert (cfg.completion_keep_rate, cfg.keep_floor, cfg.prune_sampling, cfg.prune_seed) == (0.5, 0.05, "systematic", None)
+    assert cfg.completion_pruning
+    assert not make(completion_keep_rate=1.0).completion_pruning
+    assert make(completion_keep_rate=1.0, prune_sampling="zero_variance").completion_pruning
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("completion_keep_rate", 0.0),
+        ("completion_keep_rate", -0.1),
+        ("completion_keep_rate", 1.5),
+        ("completion_keep_rate", "half"),
+        ("completion_keep_rate", True),
+        ("completion_keep_rate", float("nan")),
+        ("keep_floor", 0.0),
+        ("keep_floor", 1.01),
+        ("keep_floor", None),
+        ("prune_sampling", "random"),
+        ("prune_sampling", ""),
+        ("prune_sampling", None),
+        ("prune_seed", -1),
+        ("prune_seed", 1.5),
+        ("prune_seed", "7"),
+        ("prune_seed", True),
+    ],
+)
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field) as info:
+        make(**{field: value})
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+        (dict(entropy_coef=0.01), "entropy_coef"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+        (dict(prune_sampling="zero_variance", completion_keep_rate=0.3), "completion_keep_rate"),
+        (dict(prune_sampling="topk", keep_floor=0.2), "keep_floor"),
+        (dict(prune_sampling="topk", prune_seed=3), "prune_seed"),
+    ],
+)
+def test_combinations_that_cannot_stay_unbiased_or_are_unused_are_rejected(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make(**kwargs)
+
+
+def test_pruning_off_accepts_every_grpo_option():
+    cfg = make(completion_keep_rate=1.0, top_entropy_quantile=0.2, entropy_coef=0.01)
+    assert not cfg.completion_pruning
+
+
+def test_validation_happens_before_grpo_config():
+    # A DPPO error is reported even when GRPOConfig would be happy, and before any model is involved.
+    with pytest.raises(ValueError, match="keep_floor=2"):
+        make(keep_floor=2)

@@ -1,0 +1,214 @@
+"""DPPOTrainer end to end on the offline tiny model: equivalence with GRPO, no wasted compute, degenerate
+batches, the biased modes, metrics, seeds."""
+
+import math
+
+import pytest
+import torch
+from conftest import cpu_config, random_reward
+from trl import GRPOConfig, GRPOTrainer
+
+from dppo_trl import DPPOConfig, DPPOTrainer
+
+
+class RecordingTrainer(DPPOTrainer):
+    """Keeps what each training generation batch looked like after pruning."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.__dict__.setdefault("records", []).append(
+                {k: out[k].detach().clone() for k in ("completion_ids", "advantages", "dppo_keep", "dppo_weight")
+                 if k in out}
+            )
+        return out
+
+
+def params_of(trainer):
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def losses_of(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def train(cls, tmp_path, model_dir, dataset, reward=random_reward, config_cls=DPPOConfig, **kwargs):
+    args = cpu_config(tmp_path, cls=config_cls, **kwargs)
+    trainer = cls(model_dir, reward, args=args, train_dataset=dataset)
+    trainer.train()
+    return trainer
+
+
+def test_keep_rate_one_is_exactly_grpo(tmp_path, tiny_model_dir, train_dataset):
+    common = dict(max_steps=3, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2)
+    grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
+    dppo = train(DPPOTrainer, tmp_path / "d", tiny_model_dir, train_dataset, completion_keep_rate=1.0, **common)
+    assert losses_of(grpo) == losses_of(dppo)
+    for name, p in params_of(grpo).items():
+        assert torch.equal(p, params_of(dppo)[name]), name
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
+def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
+    """keep_floor=1 makes every pi = 1: the deferred old/ref passes, the kept-row split, the weighted advantages,
+    the normalizer rescale and the separate KL term must then reproduce GRPOTrainer step for step."""
+    common = dict(max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2,
+                  gradient_accumulation_steps=2, num_iterations=2)
+    grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
+    dppo = train(RecordingTrainer, tmp_path / "d", tiny_model_dir, train_dataset,
+                 completion_keep_rate=0.5, keep_floor=1.0, **common)
+    assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
+    assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-6)
+    for name, p in params_of(grpo).items():
+        torch.testing.assert_close(params_of(dppo)[name], p, rtol=1e-4, atol=1e-6)
+
+
+def count_logprob_rows(trainer):
+    """Rows through the model in TRL's log-prob passes (old, ref, loss): those calls carry `labels`."""
+    counter = {"rows": 0}
+
+    def hook(module, args, kwargs):
+        if "labels" in kwargs:
+            counter["rows"] += kwargs["input_ids"].size(0)
+
+    for model in (trainer.model, trainer.ref_model):
+        if model is not None:
+            model.register_forward_pre_hook(hook, with_kwargs=True)
+    return counter
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft):
+    kwargs = dict(max_steps=2, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2,
+                  per_device_train_batch_size=8, num_generations=4)
+    peft_config = None
+    if use_peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    totals = {}
+    for name, cls, cfg, extra in [
+        ("grpo", GRPOTrainer, GRPOConfig, {}),
+        ("dppo", RecordingTrainer, DPPOConfig, {"completion_keep_rate": 0.5}),
+    ]:
+        args = cpu_config(tmp_path / name, cls=cfg, **kwargs, **extra)
+        trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=peft_config)
+        counter = count_logprob_rows(trainer)
+        trainer.train()
+        totals[name] = (counter["rows"], trainer)
+    # GRPO: per generation batch of 16 rows, an old pass, a ref pass and num_iterations=2 loss passes.
+    assert totals["grpo"][0] == 16 * 4  # 2 optimizer steps x 2 micro-steps = 1 generation batch, 2 iterations
+    dppo = totals["dppo"][1]
+    kept = sum(int(r["dppo_keep"].sum()) for r in dppo.records)
+    assert 0 < kept < 16 * len(dppo.records)
+    assert totals["dppo"][0] == kept * 4  # old + ref + 2 loss passes, kept rows only
+
+
+def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_model_dir, train_dataset):
+    from peft import LoraConfig
+
+    args = cpu_config(tmp_path, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2,
+                      completion_keep_rate=0.5)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=peft_config)
+    with torch.no_grad():  # make the adapter non-trivial so that policy != reference
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    trainer.model.train()
+    inputs = [train_dataset[i] for i in range(16)]
+    out = trainer._generate_and_score_completions(inputs)
+    keep = out["dppo_keep"]
+    assert 0 < int(keep.sum()) < 16
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    width = out["completion_ids"].size(1)
+    with torch.no_grad():
+        policy = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, width)[0]
+        with trainer.model.disable_adapter():
+            ref = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, width)[0]
+    cm = out["completion_mask"][keep].bool()
+    assert not torch.allclose(policy[keep][cm], ref[keep][cm], atol=1e-3)
+    torch.testing.assert_close(out["old_per_token_logps"][keep][cm], policy[keep][cm], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["ref_per_token_logps"][keep][cm], ref[keep][cm], rtol=1e-5, atol=1e-5)
+    assert torch.all(out["old_per_token_logps"][~keep] == 0)  # never computed
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_a_batch_with_nothing_kept_still_steps(tmp_path, tiny_model_dir, train_dataset, loss_type):
+    before = None
+    args = cpu_config(tmp_path, max_steps=2, loss_type=loss_type, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = RecordingTrainer(tiny_model_dir, constant_reward, args=args, train_dataset=train_dataset)
+    before = params_of(trainer)
+    trainer.train()
+    assert all(not r["dppo_keep"].any() for r in trainer.records)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) and h["grad_norm"] == 0.0
+        assert h["dppo/kept_fraction"] == 0.0
+    for name, p in params_of(trainer).items():
+        assert torch.equal(p, before[name]), name
+
+
+def test_metrics_reach_the_logs(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=1)
+    logged = trainer.state.log_history[0]
+    for key in ["dppo/kept_fraction", "dppo/kept_prompt_fraction", "dppo/kept_token_fraction", "dppo/ess",
+                "dppo/weight_max", "dppo/token_density", "dppo/microbatch_imbalance",
+                "dppo/zero_advantage_fraction", "dppo/compute_saved", "dppo/expected_keep_fraction"]:
+        assert key in logged, key
+    assert logged["dppo/expected_keep_fraction"] == pytest.approx(0.5)
+    assert 0.0 < logged["dppo/kept_fraction"] < 1.0
+
+
+def test_same_seed_reproduces_masks_and_losses(tmp_path, tiny_model_dir, train_dataset):
+    a = train(RecordingTrainer, tmp_path / "a", tiny_model_dir, train_dataset, max_steps=2, prune_seed=5)
+    b = train(RecordingTrainer, tmp_path / "b", tiny_model_dir, train_dataset, max_steps=2, prune_seed=5)
+    assert [r["dppo_keep"].tolist() for r in a.records] == [r["dppo_keep"].tolist() for r in b.records]
+    assert losses_of(a) == losses_of(b)
+
+
+def test_prune_seed_changes_only_the_masks(tmp_path, tiny_model_dir, train_dataset):
+    runs = [train(RecordingTrainer, tmp_path / str(s), tiny_model_dir, train_dataset, max_steps=1, prune_seed=s,
+                  per_device_train_batch_size=16, num_generations=4, prune_sampling="poisson")
+            for s in (1, 2)]
+    first = [r.records[0] for r in runs]
+    assert torch.equal(first[0]["completion_ids"], first[1]["completion_ids"])
+    assert torch.equal(first[0]["advantages"], first[1]["advantages"])
+    assert not torch.equal(first[0]["dppo_keep"], first[1]["dppo_keep"])
+
+
+def test_topk_keeps_the_largest_advantages_unweighted(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, prune_sampling="topk",
+                    completion_keep_rate=0.25)
+    for r in trainer.records:
+        keep, adv = r["dppo_keep"], r["advantages"].abs()
+        assert int(keep.sum()) == 2
+        assert adv[keep].min() >= adv[~keep].max()
+        assert torch.all(r["dppo_weight"][keep] == 1.0)
+
+
+def test_zero_variance_drops_exactly_the_equal_reward_groups(tmp_path, tiny_model_dir, train_dataset):
+    def coarse_reward(completions, **kwargs):  # often equal inside a group of 4
+        return [float(len(c) > 3) for c in completions]
+
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, reward=coarse_reward, max_steps=3,
+                    prune_sampling="zero_variance")
+    seen_dropped = False
+    for r in trainer.records:
+        groups_keep = r["dppo_keep"].view(-1, 4)
+        varied = r["advantages"].view(-1, 4).abs().amax(1) > 0
+        assert torch.equal(groups_keep.all(1), varied) and torch.equal(groups_keep.any(1), varied)
+        assert torch.all(r["dppo_weight"][r["dppo_keep"]] == 1.0)
+        seen_dropped |= bool((~varied).any())
+    assert seen_dropped
+
+
+def test_grpo_config_is_refused_with_a_clear_message(tmp_path, tiny_model_dir, train_dataset):
+    with pytest.raises(TypeError, match="DPPOConfig"):
+        DPPOTrainer(tiny_model_dir, random_reward, args=cpu_config(tmp_path, cls=GRPOConfig), train_dataset=train_dataset)
