@@ -208,3 +208,31 @@ def microbatch_sizes(kept_rows_per_rank: list[int], num_microbatches: int) -> li
     most = max(kept_rows_per_rank) if kept_rows_per_rank else 0
     base, extra = divmod(most, num_microbatches)
     return [max(1, base + (1 if i < extra else 0)) for i in range(num_microbatches)]
+
+
+def vllm_importance_sampling_ratio(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """TRL's vLLM importance-sampling ratio ``pi_old / pi_sampler`` for rows whose old-policy log-probs exist
+    only after pruning: per token ``(B, T)`` for ``token_*`` modes, per sequence ``(B, 1)`` for ``sequence_*``;
+    ``*_truncate`` clamps to ``[clip_min, clip_max]``, ``*_mask`` zeroes ratios outside it. Tokens the sampler
+    could not score (NaN) get no correction."""
+    log_ratio = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if mode.startswith("sequence_"):
+        log_ratio = log_ratio.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    if mode in ("token_truncate", "sequence_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode in ("token_mask", "sequence_mask"):
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(
+        f"vllm_importance_sampling_mode={mode!r} is invalid: expected one of "
+        "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'."
+    )

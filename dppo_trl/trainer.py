@@ -33,6 +33,7 @@ from .pruning import (
     systematic_sample,
     topk_mask,
     trl_microbatch_normalizer,
+    vllm_importance_sampling_ratio,
     zero_variance_mask,
 )
 
@@ -82,15 +83,10 @@ class DPPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         calls = self._deferred_logp_calls
-        # With vLLM's importance-sampling correction TRL builds the IS ratio from the old-policy pass inside
-        # generation, so that pass (the first one) runs on all rows; later passes are still deferred.
-        vllm_old_pass = self.use_vllm and self.vllm_importance_sampling_correction and calls is not None and not calls
-        if calls is not None and not vllm_old_pass:
+        if calls is not None:
             calls.append(model)
             placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
             return placeholder, None, None
-        if calls is not None:
-            calls.append(None)  # computed for real
         out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         if self._captured_logps is not None:
             self._captured_logps.append(out[0])
@@ -258,8 +254,6 @@ class DPPOTrainer(GRPOTrainer):
         # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
         names = ["old_per_token_logps", "ref_per_token_logps"][-len(calls):] if self.beta != 0.0 else ["old_per_token_logps"]
         for name, model in zip(names, calls):
-            if model is None:  # already computed by TRL (vLLM importance-sampling old pass)
-                continue
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 if name == "ref_per_token_logps" and self.ref_model is None:
                     unwrapped = self.accelerator.unwrap_model(self.model)
@@ -269,6 +263,32 @@ class DPPOTrainer(GRPOTrainer):
                     logps = self._logps_of(model, input_ids, attention_mask, logits_to_keep, batch_size)
             full = output[name]
             full[rows] = logps.to(full.dtype)
+        if "importance_sampling_ratio" in output:
+            self._recompute_vllm_importance_sampling(output, rows)
+
+    def _recompute_vllm_importance_sampling(self, output, rows):
+        """TRL built the vLLM IS ratio (and its ``sampling/*`` metrics) from the deferred placeholder: rebuild
+        both from the real old-policy log-probs of the forwarded rows."""
+        mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        old, sampled, mask = output["old_per_token_logps"][rows], output["sampling_per_token_logps"][rows], mask[rows]
+        ratio = vllm_importance_sampling_ratio(
+            old, sampled, mask, self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
+        )
+        output["importance_sampling_ratio"][rows] = ratio.to(output["importance_sampling_ratio"].dtype)
+        scored = mask.bool() & ~torch.isnan(sampled)
+        delta = (old - sampled).abs()[scored]
+        ratios = ratio.flatten() if ratio.size(1) == 1 else ratio[mask.bool()]
+        values = {
+            "sampling/sampling_logp_difference/mean": (delta.mean() if delta.numel() else delta.new_zeros(()), "mean"),
+            "sampling/sampling_logp_difference/max": (delta.max() if delta.numel() else delta.new_zeros(()), "max"),
+            "sampling/importance_sampling_ratio/min": (ratios.min() if ratios.numel() else ratios.new_zeros(()), "min"),
+            "sampling/importance_sampling_ratio/mean": (ratios.mean() if ratios.numel() else ratios.new_zeros(()), "mean"),
+            "sampling/importance_sampling_ratio/max": (ratios.max() if ratios.numel() else ratios.new_zeros(()), "max"),
+        }
+        for name, (value, reduce) in values.items():
+            gathered = self.accelerator.gather(value.float().reshape(1))
+            self._metrics["train"][name][-1] = float(getattr(gathered, reduce)())  # replaces TRL's value
 
     def _logps_of(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
         return super()._get_per_token_logps_and_entropies(

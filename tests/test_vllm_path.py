@@ -1,0 +1,98 @@
+"""The vLLM importance-sampling path without vLLM: TRL's own generation, reported with sampler log-probs that
+differ from the trainer's (as vLLM's do), so TRL runs its IS correction. DPPO defers the old-policy pass and
+must rebuild exactly TRL's IS ratio and `sampling/*` metrics on the kept rows."""
+
+import pytest
+import torch
+from conftest import cpu_config, random_reward
+from test_trainer import count_logprob_rows, losses_of, params_of
+from trl import GRPOConfig, GRPOTrainer
+
+from dppo_trl import DPPOConfig, DPPOTrainer
+
+
+class SimulatedVLLM:
+    def _generate(self, prompts):
+        self.use_vllm = False
+        try:
+            out = list(super()._generate(prompts))
+        finally:
+            self.use_vllm = True
+        # Sampler log-probs near the tiny model's (about log(1/vocab)), deterministic in the tokens.
+        out[4] = [[-4.6 + 0.1 * ((t * 31 + i) % 7 - 3) for i, t in enumerate(ids)] for ids in out[1]]
+        return tuple(out)
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.__dict__.setdefault("records", []).append(
+                {k: out[k].detach().clone() for k in ("importance_sampling_ratio", "old_per_token_logps", "dppo_keep")
+                 if k in out}
+            )
+        return out
+
+
+class SimGRPO(SimulatedVLLM, GRPOTrainer):
+    pass
+
+
+class SimDPPO(SimulatedVLLM, DPPOTrainer):
+    pass
+
+
+SAMPLING_KEYS = [
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+]
+
+
+def run(cls, config_cls, tmp_path, mode, **kwargs):
+    return cpu_config(tmp_path, cls=config_cls, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2,
+                      vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=1.2,
+                      vllm_importance_sampling_clip_min=0.9, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask", "token_mask"])
+def test_every_row_kept_reproduces_trls_importance_sampling(tmp_path, tiny_model_dir, train_dataset, mode):
+    results = {}
+    for name, cls, cfg, extra in [("grpo", SimGRPO, GRPOConfig, {}),
+                                  ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5, "keep_floor": 1.0})]:
+        args = run(cls, cfg, tmp_path / name, mode, max_steps=3, **extra)
+        trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+        trainer.use_vllm = True
+        trainer.train()
+        results[name] = trainer
+    grpo, dppo = results["grpo"], results["dppo"]
+    for g, d in zip(grpo.records, dppo.records):
+        torch.testing.assert_close(d["importance_sampling_ratio"], g["importance_sampling_ratio"], rtol=1e-5, atol=1e-6)
+    assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-6)
+    for key in SAMPLING_KEYS:
+        got = [h[key] for h in dppo.state.log_history if key in h]
+        want = [h[key] for h in grpo.state.log_history if key in h]
+        assert got and got == pytest.approx(want, rel=1e-5, abs=1e-6), key
+    for name, p in params_of(grpo).items():
+        torch.testing.assert_close(params_of(dppo)[name], p, rtol=1e-4, atol=1e-6)
+
+
+def test_pruned_old_policy_pass_skips_pruned_rows_and_keeps_trls_ratio(tmp_path, tiny_model_dir, train_dataset):
+    results = {}
+    for name, cls, cfg, extra in [("grpo", SimGRPO, GRPOConfig, {}),
+                                  ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5})]:
+        args = run(cls, cfg, tmp_path / name, "token_truncate", max_steps=2, **extra)
+        trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+        trainer.use_vllm = True
+        counter = count_logprob_rows(trainer)
+        trainer.train()
+        results[name] = (trainer, counter["rows"])
+    grpo, dppo = results["grpo"][0], results["dppo"][0]
+    # The first generation batch is the same in both runs: on the kept rows, the same old log-probs and ratio.
+    keep = dppo.records[0]["dppo_keep"]
+    assert 0 < int(keep.sum()) < keep.numel()
+    for key in ("old_per_token_logps", "importance_sampling_ratio"):
+        torch.testing.assert_close(dppo.records[0][key][keep], grpo.records[0][key][keep], rtol=1e-5, atol=1e-6)
+    kept = sum(int(r["dppo_keep"].sum()) for r in dppo.records)
+    assert results["grpo"][1] == 16 * 3 * len(grpo.records)  # old + ref + loss, every row
+    assert results["dppo"][1] == kept * 3  # old + ref + loss, kept rows only
