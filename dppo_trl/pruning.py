@@ -19,12 +19,17 @@ UNBIASED_DESIGNS = ("systematic", "poisson")
 
 
 def keep_probabilities(
-    scores: torch.Tensor, keep_rate: float, keep_floor: float, zero_score_contributes: bool
+    scores: torch.Tensor,
+    keep_rate: float,
+    keep_floor: float,
+    zero_score_contributes: bool,
+    contributes_nothing: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Keep probabilities ``pi = clip(score / tau, keep_floor, 1)`` with ``sum(pi) == keep_rate * N``.
 
     Rows with ``score == 0`` get ``pi = 0`` unless ``zero_score_contributes`` (then they count like any row,
-    with ``pi = keep_floor``). When the budget ``keep_rate * N`` is larger than the number of eligible rows,
+    with ``pi = keep_floor``). Rows flagged in ``contributes_nothing`` (e.g. no loss token) always get
+    ``pi = 0``. When the budget ``keep_rate * N`` is larger than the number of eligible rows,
     every eligible row is kept (``pi = 1``); when ``keep_floor`` alone exceeds the budget, every eligible row
     gets ``keep_floor``: the design keeps more than the budget, never fewer.
 
@@ -33,6 +38,8 @@ def keep_probabilities(
     """
     scores = scores.detach().to(torch.float64).abs()
     eligible = torch.ones_like(scores, dtype=torch.bool) if zero_score_contributes else scores > 0
+    if contributes_nothing is not None:
+        eligible &= ~contributes_nothing.to(torch.bool)
     pi = torch.zeros_like(scores)
     num_eligible = int(eligible.sum())
     if num_eligible == 0:

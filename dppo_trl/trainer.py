@@ -194,7 +194,9 @@ class DPPOTrainer(GRPOTrainer):
         advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
         if advantages.dim() > 1:
             advantages = advantages.abs().amax(dim=1)
+        loss_mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         lengths = self.accelerator.gather(output["completion_mask"].sum(1)).float().cpu()
+        loss_tokens = self.accelerator.gather(loss_mask.sum(1)).cpu()
         prompt_lengths = self.accelerator.gather(output["prompt_mask"].sum(1)).float().cpu()
         design, rate = self.args.prune_sampling, self.args.completion_keep_rate
         generator = torch.Generator().manual_seed(self._prune_seed())
@@ -209,7 +211,11 @@ class DPPOTrainer(GRPOTrainer):
             weights = keep.double()
         else:
             # A row with A == 0 contributes exactly zero unless a term without A (the KL) is on.
-            pi, tau = keep_probabilities(advantages, rate, self.args.keep_floor, zero_score_contributes=self.beta != 0.0)
+            # A row without loss tokens (e.g. masked as truncated) contributes nothing at all.
+            pi, _ = keep_probabilities(
+                advantages, rate, self.args.keep_floor, zero_score_contributes=self.beta != 0.0,
+                contributes_nothing=loss_tokens == 0,
+            )
             sample = systematic_sample if design == "systematic" else poisson_sample
             keep = sample(pi, generator)
             weights = horvitz_thompson_weights(pi, keep)

@@ -48,6 +48,14 @@ def test_keep_probabilities_meet_the_budget_within_bounds(scores, rate, floor, z
     assert torch.all(torch.diff(pi[eligible][order]) >= -1e-12)
 
 
+def test_rows_that_contribute_nothing_are_never_kept():
+    s = torch.tensor([1.0, 2.0, 0.0, 3.0])
+    dead = torch.tensor([False, True, False, False])
+    pi, _ = keep_probabilities(s, 0.5, 0.05, zero_score_contributes=True, contributes_nothing=dead)
+    assert pi[1] == 0 and pi[2] > 0
+    assert float(pi.sum()) == pytest.approx(2.0)
+
+
 def test_keep_probabilities_proportional_between_the_clips():
     s = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 100.0])
     pi, tau = keep_probabilities(s, keep_rate=0.5, keep_floor=0.05, zero_score_contributes=False)

@@ -18,7 +18,7 @@ class RecordingTrainer(DPPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         if self.model.training:
             self.__dict__.setdefault("records", []).append(
-                {k: out[k].detach().clone() for k in ("completion_ids", "advantages", "dppo_keep", "dppo_weight")
+                {k: out[k].detach().clone() for k in ("completion_ids", "completion_mask", "advantages", "dppo_keep", "dppo_weight")
                  if k in out}
             )
         return out
@@ -207,6 +207,17 @@ def test_zero_variance_drops_exactly_the_equal_reward_groups(tmp_path, tiny_mode
         assert torch.all(r["dppo_weight"][r["dppo_keep"]] == 1.0)
         seen_dropped |= bool((~varied).any())
     assert seen_dropped
+
+
+def test_rows_without_loss_tokens_are_never_kept(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, beta=0.05,
+                    mask_truncated_completions=True, completion_keep_rate=0.9)
+    dead_seen = False
+    for r in trainer.records:
+        dead = r["completion_mask"].sum(1) == 0
+        dead_seen |= bool(dead.any())
+        assert not (r["dppo_keep"] & dead).any()
+    assert dead_seen
 
 
 def test_grpo_config_is_refused_with_a_clear_message(tmp_path, tiny_model_dir, train_dataset):
