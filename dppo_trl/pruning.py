@@ -197,12 +197,9 @@ def trl_microbatch_normalizer(
 ) -> float:
     """The normalizer TRL 1.16's ``_compute_loss`` applies to a micro-batch in train mode: it counts the rows
     (or, for ``bnpo``, the loss tokens) of THAT micro-batch, so after pruning it must be replaced."""
-    if loss_type in ("grpo", "sapo", "luspo"):
-        return float(rows_in_microbatch * accumulation_steps)
-    if loss_type == "dr_grpo":
-        return float(rows_in_microbatch * max_completion_length * accumulation_steps)
     if loss_type == "bnpo":
         return max(float(loss_tokens_in_microbatch), 1.0) * accumulation_steps
+    # The other types count the micro-batch's rows where the full-batch normalizer counts a full micro-batch.
     return full_batch_normalizer(
         loss_type, rows_in_microbatch, max_completion_length, loss_tokens_in_generation_batch,
         num_processes, steps_per_generation, accumulation_steps,

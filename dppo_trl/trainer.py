@@ -258,7 +258,8 @@ class DPPOTrainer(GRPOTrainer):
         logits_to_keep = output["completion_ids"].size(1)
         batch_size = self.args.per_device_train_batch_size
         # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
-        names = ["old_per_token_logps", "ref_per_token_logps"][-len(calls):] if self.beta != 0.0 else ["old_per_token_logps"]
+        has_ref = int(self.beta != 0.0)
+        names = ["old_per_token_logps"] * (len(calls) - has_ref) + ["ref_per_token_logps"] * has_ref
         for name, model in zip(names, calls):
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 if name == "ref_per_token_logps" and self.ref_model is None:

@@ -85,3 +85,11 @@ def test_validation_happens_before_grpo_config():
     # A DPPO error is reported even when GRPOConfig would be happy, and before any model is involved.
     with pytest.raises(ValueError, match="keep_floor=2"):
         make(keep_floor=2)
+
+
+def test_every_dppo_field_is_in_the_config_reference():
+    from pathlib import Path
+
+    reference = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    for name in DPPO_FIELDS:
+        assert f"| `{name}` |" in reference, f"docs/config.md does not document {name}"
