@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1500, help="DPPO optimizer steps")
-    parser.add_argument("--sft-steps", type=int, default=200, help="supervised warm-start steps")
+    parser.add_argument("--sft-steps", type=int, default=300, help="supervised warm-start steps")
     parser.add_argument("--completion-keep-rate", type=float, default=0.5)
     parser.add_argument("--prune-sampling", default="systematic")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
@@ -92,7 +92,8 @@ def main(argv=None):
     print(f"  steps                 {trainer.state.global_step}")
     print(f"  wall time             {train_time:.0f} s training (+ {sft_time:.0f} s warm start)")
     print(f"  reward                {first['reward']:.3f} (first log) -> {last['reward']:.3f} (last log)")
-    print(f"  kept fraction         {sum(kept) / max(len(kept), 1):.3f} of completions (mean over logs)")
+    kept_text = f"{sum(kept) / len(kept):.3f} of completions (mean over logs)" if kept else "1 (pruning off)"
+    print(f"  kept fraction         {kept_text}")
     print(f"  held-out greedy acc.  {before:.3f} -> {after:.3f}")
     return trainer
 

@@ -144,6 +144,7 @@ def zero_variance_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def horvitz_thompson_weights(pi: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``1 / pi`` on kept rows, 0 elsewhere."""
     pi = pi.detach().to(torch.float64)
+    keep = keep & (pi > 0)
     safe = torch.where(keep, pi, torch.ones_like(pi))
     return torch.where(keep, 1.0 / safe, torch.zeros_like(pi))
 

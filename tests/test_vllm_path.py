@@ -55,7 +55,7 @@ def run(cls, config_cls, tmp_path, mode, **kwargs):
                       vllm_importance_sampling_clip_min=0.9, **kwargs)
 
 
-@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask", "token_mask"])
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "sequence_mask", "token_mask"])
 def test_every_row_kept_reproduces_trls_importance_sampling(tmp_path, tiny_model_dir, train_dataset, mode):
     results = {}
     for name, cls, cfg, extra in [("grpo", SimGRPO, GRPOConfig, {}),
