@@ -62,14 +62,38 @@ class DPPOConfig(GRPOConfig):
         },
     )
 
+    packing: bool = field(
+        default=True,
+        metadata={
+            "help": "Dense Prompt Packing of the training passes: the kept rows are split into the "
+            "`steps_per_generation` micro-batches balanced by tokens, and each micro-batch runs padding-free, "
+            "several sequences back to back in one row with position_ids restarting per sequence. Also used "
+            "when completion pruning is off. False: TRL's padded micro-batches."
+        },
+    )
+    max_packed_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of one packed row (with `packing`). None: `per_device_train_batch_size` x the "
+            "padded sequence width of the generation batch, i.e. no more than one padded micro-batch of TRL. A "
+            "sequence longer than the budget gets a row of its own; nothing is cut or dropped."
+        },
+    )
+
     def __post_init__(self):
         self._validate_dppo_fields()
         super().__post_init__()
 
     @property
     def completion_pruning(self) -> bool:
-        """Whether completion pruning is on (otherwise the trainer is exactly `GRPOTrainer`)."""
+        """Whether completion pruning is on."""
         return self.prune_sampling == "zero_variance" or self.completion_keep_rate < 1.0
+
+    @property
+    def dppo_training_path(self) -> bool:
+        """Whether training batches go through DPPO's micro-batching (pruning or packing); otherwise every hook
+        is TRL's own and the trainer is exactly `GRPOTrainer`."""
+        return self.completion_pruning or self.packing
 
     def _validate_dppo_fields(self) -> None:
         _check_unit_interval("completion_keep_rate", self.completion_keep_rate)
@@ -82,6 +106,20 @@ class DPPOConfig(GRPOConfig):
             isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
         ):
             raise ValueError(f"prune_seed={self.prune_seed!r} is invalid: it must be None or an integer >= 0.")
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"packing={self.packing!r} is invalid: it must be True or False.")
+        if self.max_packed_tokens is not None and (
+            isinstance(self.max_packed_tokens, bool) or not isinstance(self.max_packed_tokens, int)
+            or self.max_packed_tokens < 1
+        ):
+            raise ValueError(
+                f"max_packed_tokens={self.max_packed_tokens!r} is invalid: it must be None or an integer >= 1."
+            )
+        if self.max_packed_tokens is not None and not self.packing:
+            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} is not used with packing=False.")
+        if not self.dppo_training_path:
+            return
+        self._validate_row_separable_loss()
         if not self.completion_pruning:
             return
         biased = self.prune_sampling not in UNBIASED_DESIGNS
@@ -100,21 +138,25 @@ class DPPOConfig(GRPOConfig):
                 f"prune_seed={self.prune_seed!r} is not used by the deterministic prune_sampling="
                 f"{self.prune_sampling!r}; it applies to {list(UNBIASED_DESIGNS)} only."
             )
+
+    def _validate_row_separable_loss(self) -> None:
+        """DPPO reweights and renormalizes the loss row by row: every term must be a sum of per-row terms."""
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(
-                f"loss_type={self.loss_type!r} is not supported with completion pruning; "
-                f"expected one of {list(SUPPORTED_LOSS_TYPES)} (or completion_keep_rate=1.0)."
+                f"loss_type={self.loss_type!r} is not supported with completion pruning or packing; "
+                f"expected one of {list(SUPPORTED_LOSS_TYPES)} (or completion_keep_rate=1.0 with packing=False)."
             )
         # Terms that are not a sum of per-row contributions cannot be reweighted row by row.
         if self.top_entropy_quantile < 1.0:
             raise ValueError(
-                f"top_entropy_quantile={self.top_entropy_quantile!r} cannot be combined with completion pruning: "
+                f"top_entropy_quantile={self.top_entropy_quantile!r} cannot be combined with completion pruning or packing: "
                 "the entropy quantile is taken over the micro-batch, so it changes with the kept rows and the "
-                "estimate would be biased. Use top_entropy_quantile=1.0 or completion_keep_rate=1.0."
+                "estimate would be biased. Use top_entropy_quantile=1.0, or completion_keep_rate=1.0 with packing=False."
             )
         if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             raise ValueError(
                 f"entropy_coef={self.entropy_coef!r} / use_adaptive_entropy={self.use_adaptive_entropy!r}: the "
                 "entropy bonus is normalized per micro-batch by TRL and is not supported with completion pruning "
-                "yet. Use entropy_coef=0.0 and use_adaptive_entropy=False, or completion_keep_rate=1.0."
+                "or packing yet. Use entropy_coef=0.0 and use_adaptive_entropy=False, or completion_keep_rate=1.0 with "
+                "packing=False."
             )

@@ -1,15 +1,20 @@
-"""``DPPOTrainer``: TRL's ``GRPOTrainer`` with unbiased completion pruning wired into four of its hooks.
+"""``DPPOTrainer``: TRL's ``GRPOTrainer`` with unbiased completion pruning and Dense Prompt Packing wired into
+five of its hooks.
 
 - ``_generate_and_score_completions``: TRL generates, scores and computes advantages on the FULL groups; the
   old-policy and reference log-prob passes it would run before scoring are only recorded, then run after
   the keep mask is drawn, on the kept rows alone.
 - ``_prepare_inputs``: TRL's shuffle, then the kept rows (not TRL's equal split of all rows) make the
-  ``steps_per_generation`` micro-batches.
+  ``steps_per_generation`` micro-batches, balanced by tokens when packing.
+- ``_get_per_token_logps_and_entropies``: defers the passes during generation; with packing, runs them
+  padding-free (several sequences per row, position_ids restarting per sequence) and unpacks the result
+  into TRL's padded ``(B, T)`` layout, so TRL's loss code runs unchanged.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled
   to the full-batch normalizer; the KL term (``beta > 0``) is weighted the same way.
-- ``_get_per_token_logps_and_entropies``: defers (records) the log-prob passes during generation.
+- ``_calculate_rewards``: remembers the rewards (for the ``zero_variance`` filter).
 
-The math lives in ``dppo_trl.pruning``; with ``completion_keep_rate=1.0`` every hook is TRL's own.
+The math lives in ``dppo_trl.pruning`` and ``dppo_trl.packing``; with ``completion_keep_rate=1.0`` and
+``packing=False`` every hook is TRL's own.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
 from .config import DPPOConfig
+from .packing import assign_microbatches, default_packed_tokens, microbatch_row_counts, pack_rows, packed_layout
 from .pruning import (
     SEQUENCE_MEAN_LOSS_TYPES,
     effective_sample_size,
@@ -67,19 +73,20 @@ class DPPOTrainer(GRPOTrainer):
                 "DPPOConfig(...) (it accepts every GRPOConfig field)."
             )
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        if args.completion_pruning and self.aux_loss_enabled:
+        if args.dppo_training_path and self.aux_loss_enabled:
             raise ValueError(
                 f"router_aux_loss_coef={self.router_aux_loss_coef!r}: the MoE load-balancing loss is not a sum of "
-                "per-row terms and cannot be reweighted; set router_aux_loss_coef=0.0 or completion_keep_rate=1.0."
+                "per-row terms and cannot be reweighted; set router_aux_loss_coef=0.0, or completion_keep_rate=1.0 "
+                "with packing=False."
             )
         self._deferred_logp_calls: list | None = None
         self._captured_logps: list | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
-        self._kept_rows_per_rank: list[int] = []
+        self._kept_lengths_per_rank: list[list[int]] = []
 
     # ------------------------------------------------------------------ hooks
-    def _pruning_now(self) -> bool:
-        return self.args.completion_pruning and self.model.training
+    def _dppo_now(self) -> bool:
+        return self.args.dppo_training_path and self.model.training
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         calls = self._deferred_logp_calls
@@ -87,7 +94,14 @@ class DPPOTrainer(GRPOTrainer):
             calls.append(model)
             placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
             return placeholder, None, None
-        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if self.args.packing and self._dppo_now():
+            out = self._packed_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, kwargs.get("compute_entropy", False)
+            )
+        else:
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
         if self._captured_logps is not None:
             self._captured_logps.append(out[0])
         return out
@@ -98,7 +112,7 @@ class DPPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        if not self._pruning_now():
+        if not self._dppo_now():
             return super()._generate_and_score_completions(inputs)
         self._deferred_logp_calls = []
         try:
@@ -109,15 +123,14 @@ class DPPOTrainer(GRPOTrainer):
             raise NotImplementedError(
                 "Completion pruning does not support multimodal batches yet; set completion_keep_rate=1.0."
             )
-        keep, weights, forward = self._draw_keep_mask(output)
-        self._run_deferred_logps(output, calls, forward)
+        keep, weights = self._draw_keep_mask(output)
+        self._run_deferred_logps(output, calls, keep)
         output["dppo_keep"] = keep
-        output["dppo_forward"] = forward
         output["dppo_weight"] = weights.to(torch.float32)
         return output
 
     def _prepare_inputs(self, generation_batch):
-        if not self._pruning_now():
+        if not self._dppo_now():
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
@@ -162,7 +175,8 @@ class DPPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------- internals
     def _weighted_kl(self, per_token_logps, inputs, mask, weight) -> torch.Tensor:
         """``sum_n w_n * kl_n`` over the micro-batch (kl_n: TRL's k3 estimator, token mean or sum per row)."""
-        ref = inputs["ref_per_token_logps"]
+        # Masked positions (fillers, padding) get ref = logp there, hence kl = 0: no overflow times a zero mask.
+        ref = torch.where(mask.bool(), inputs["ref_per_token_logps"], per_token_logps.detach())
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
         if self.args.use_bias_correction_kl:
             old = inputs.get("old_per_token_logps")
@@ -189,19 +203,22 @@ class DPPOTrainer(GRPOTrainer):
         return (base * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
 
     def _draw_keep_mask(self, output):
-        """The global keep decision (identical on every rank), as this rank's (keep, weight, forward) rows."""
+        """The global keep decision (identical on every rank), as this rank's (keep, weight) rows. Also records
+        every rank's kept sequence lengths, from which each rank derives the common micro-batch row counts."""
         local_rows = output["advantages"].size(0)
         advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
         if advantages.dim() > 1:
             advantages = advantages.abs().amax(dim=1)
         loss_mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
-        lengths = self.accelerator.gather(output["completion_mask"].sum(1)).float().cpu()
+        lengths = self.accelerator.gather(output["completion_mask"].sum(1)).cpu()
+        prompt_lengths = self.accelerator.gather(output["prompt_mask"].sum(1)).cpu()
         loss_tokens = self.accelerator.gather(loss_mask.sum(1)).cpu()
-        prompt_lengths = self.accelerator.gather(output["prompt_mask"].sum(1)).float().cpu()
         design, rate = self.args.prune_sampling, self.args.completion_keep_rate
-        generator = torch.Generator().manual_seed(self._prune_seed())
         pi = None
-        if design == "topk":
+        if not self.args.completion_pruning:  # packing only: every row, weight 1
+            keep = torch.ones_like(advantages, dtype=torch.bool)
+            weights = keep.double()
+        elif design == "topk":
             keep = topk_mask(advantages, rate)
             weights = keep.double()
         elif design == "zero_variance":
@@ -210,34 +227,32 @@ class DPPOTrainer(GRPOTrainer):
             keep = zero_variance_mask(rewards.cpu(), self.num_generations)
             weights = keep.double()
         else:
-            # A row with A == 0 contributes exactly zero unless a term without A (the KL) is on.
-            # A row without loss tokens (e.g. masked as truncated) contributes nothing at all.
+            # A row with A == 0 contributes exactly zero unless a term without A (the KL) is on; a row without
+            # loss tokens (e.g. masked as truncated) contributes nothing at all.
             pi, _ = keep_probabilities(
                 advantages, rate, self.args.keep_floor, zero_score_contributes=self.beta != 0.0,
                 contributes_nothing=loss_tokens == 0,
             )
             sample = systematic_sample if design == "systematic" else poisson_sample
-            keep = sample(pi, generator)
+            keep = sample(pi, torch.Generator().manual_seed(self._prune_seed()))
             weights = horvitz_thompson_weights(pi, keep)
 
-        rank = self.accelerator.process_index
-        per_rank = keep.view(self.accelerator.num_processes, local_rows)
-        self._kept_rows_per_rank = per_rank.sum(dim=1).tolist()
-        local = slice(rank * local_rows, (rank + 1) * local_rows)
-        local_keep = keep[local]
-        forward = local_keep.clone()
-        if not forward.any():
-            forward[0] = True  # one row to build zero-weight fillers from (see _kept_microbatches)
-        self._log_pruning_metrics(keep, weights, pi, advantages, lengths, prompt_lengths)
+        sequence_lengths = lengths + prompt_lengths
+        self._kept_lengths_per_rank = [
+            sequence_lengths[r * local_rows : (r + 1) * local_rows][keep[r * local_rows : (r + 1) * local_rows]].tolist()
+            for r in range(self.accelerator.num_processes)
+        ]
+        if self.args.completion_pruning:
+            self._log_pruning_metrics(keep, weights, pi, advantages, lengths.float(), sequence_lengths.float())
+        local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
         device = output["advantages"].device
-        return local_keep.to(device), weights[local].to(device), forward.to(device)
+        return keep[local].to(device), weights[local].to(device)
 
-    def _log_pruning_metrics(self, keep, weights, pi, advantages, lengths, prompt_lengths):
+    def _log_pruning_metrics(self, keep, weights, pi, advantages, lengths, sequence_tokens):
         metrics = self._metrics["train"]
         n = keep.numel()
         kept_tokens = float(lengths[keep].sum())
         total_tokens = float(lengths.sum())
-        sequence_tokens = lengths + prompt_lengths
         metrics["dppo/kept_fraction"].append(float(keep.float().mean()))
         metrics["dppo/kept_prompt_fraction"].append(float(keep.view(-1, self.num_generations).any(1).float().mean()))
         metrics["dppo/kept_token_fraction"].append(kept_tokens / total_tokens if total_tokens > 0 else 0.0)
@@ -250,9 +265,11 @@ class DPPOTrainer(GRPOTrainer):
         metrics["dppo/compute_saved"].append(1.0 - float(sequence_tokens[keep].sum()) / float(sequence_tokens.sum()))
 
     @torch.no_grad()
-    def _run_deferred_logps(self, output, calls, forward):
-        """Run the log-prob passes TRL deferred, on the ``forward`` rows only; other rows hold zeros."""
-        rows = forward.nonzero().flatten()
+    def _run_deferred_logps(self, output, calls, keep):
+        """Run the log-prob passes TRL deferred, on the kept rows only; other rows hold zeros."""
+        rows = keep.nonzero().flatten()
+        if rows.numel() == 0:
+            return
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)[rows]
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)[rows]
         logits_to_keep = output["completion_ids"].size(1)
@@ -298,40 +315,98 @@ class DPPOTrainer(GRPOTrainer):
             self._metrics["train"][name][-1] = float(getattr(gathered, reduce)())  # replaces TRL's value
 
     def _logps_of(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
-        return super()._get_per_token_logps_and_entropies(
+        return self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
         )[0]
 
+    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
+        """TRL's per-token log-probs (and entropies) of the completion tokens, computed padding-free: each row's
+        real tokens are laid back to back in packed rows (``position_ids`` restart at 0 per sequence, no
+        attention mask) and scored with pre-shifted labels that never cross a sequence boundary."""
+        real = attention_mask.bool()
+        prompt_width = input_ids.size(1) - logits_to_keep
+        prompt_lengths = real[:, :prompt_width].sum(1).tolist()
+        lengths = real.sum(1).tolist()
+        budget = self.args.max_packed_tokens or default_packed_tokens(
+            self.args.per_device_train_batch_size, input_ids.size(1)
+        )
+        device = input_ids.device
+        zeros = torch.zeros(logits_to_keep, device=device)
+        logps, entropies = [zeros] * input_ids.size(0), [zeros] * input_ids.size(0)
+        for row in pack_rows(lengths, budget):
+            starts, position_ids = packed_layout(lengths, row)
+            ids = torch.cat([input_ids[b][real[b]] for b in row])
+            labels = torch.full_like(ids, -100)
+            for b, start in zip(row, starts):
+                first, end = start + prompt_lengths[b], start + lengths[b]
+                labels[first - 1 : end - 1] = ids[first:end]  # position p predicts token p + 1
+            with self.accelerator.autocast():
+                out = model(
+                    input_ids=ids[None],
+                    position_ids=torch.tensor(position_ids, device=device)[None],
+                    shift_labels=labels[None],
+                    fused_lm_head=True,
+                )
+            for b, start in zip(row, starts):
+                first, end = start + prompt_lengths[b] - 1, start + lengths[b] - 1
+                pad = logits_to_keep - (end - first)
+                logps[b] = torch.cat([out.log_probs[0, first:end].float(), zeros[:pad]])
+                if compute_entropy:
+                    entropies[b] = torch.cat([out.entropy[0, first:end].float(), zeros[:pad]])
+        return torch.stack(logps), torch.stack(entropies) if compute_entropy else None, None
+
     def _kept_microbatches(self, batch) -> list[dict]:
-        """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches whose
-        row counts are the same on every rank; a slot with no kept row left holds a zero-weight filler row."""
+        """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches, by
+        tokens (packing) or evenly by rows, with the same row count on every rank in each micro-step; a slot
+        with no kept row fills up with zero-weight filler rows of one token."""
         keep = batch.pop("dppo_keep")
-        forward = batch.pop("dppo_forward")
         kept = keep.nonzero().flatten()
-        filler = kept[:1] if kept.numel() else forward.nonzero().flatten()[:1]
-        sizes = microbatch_sizes(self._kept_rows_per_rank, self.args.steps_per_generation)
-        microbatches, start = [], 0
-        lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).float()
+        spg = self.args.steps_per_generation
+        lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
+        if self.args.packing:
+            bins = [kept[b].tolist() for b in assign_microbatches([lengths[i] for i in kept.tolist()], spg)]
+            counts = [microbatch_row_counts(rank_lengths, spg) for rank_lengths in self._kept_lengths_per_rank]
+            sizes = [max(1, *column) for column in zip(*counts)]
+        else:
+            sizes = microbatch_sizes([len(r) for r in self._kept_lengths_per_rank], spg)
+            bounds = [sum(sizes[:j]) for j in range(spg + 1)]
+            bins = [kept[bounds[j] : bounds[j + 1]].tolist() for j in range(spg)]
+        filler = self._filler_row(batch)
         width = batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
-        real, allocated, tokens_per_mb = 0.0, 0.0, []
-        for size in sizes:
-            rows = kept[start : start + size]
-            start += rows.numel()
-            num_fillers = size - rows.numel()
-            mb = select_rows(batch, torch.cat([rows, filler.repeat(num_fillers)]))
-            if num_fillers:
-                mb["dppo_weight"] = mb["dppo_weight"].clone()
-                mb["dppo_weight"][rows.numel() :] = 0.0
-                mb["advantages"] = mb["advantages"].clone()
-                mb["advantages"][rows.numel() :] = 0.0
+        microbatches, real, allocated, tokens_per_mb = [], 0.0, 0.0, []
+        for rows, size in zip(bins, sizes):
+            mb = select_rows(batch, torch.tensor(rows, dtype=torch.long))
+            if size > len(rows):
+                fill = {k: (v.expand(size - len(rows), *v.shape[1:]) if isinstance(v, torch.Tensor) and v.ndim else v)
+                        for k, v in filler.items()}
+                mb = {k: (torch.cat([mb[k], fill[k]]) if isinstance(mb[k], torch.Tensor) and mb[k].ndim else mb[k])
+                      for k in mb}
             microbatches.append(mb)
-            tokens = float(lengths[rows].sum())
+            tokens = float(sum(lengths[i] for i in rows))
             tokens_per_mb.append(tokens)
             real += tokens
-            allocated += size * width
-        stats = torch.tensor([real, allocated, max(tokens_per_mb), sum(tokens_per_mb) / len(sizes)])
+            allocated += tokens + (size - len(rows)) if self.args.packing else size * width
+        stats = torch.tensor([real, allocated, max(tokens_per_mb), sum(tokens_per_mb) / spg])
         stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
         metrics = self._metrics["train"]
         metrics["dppo/token_density"].append(float(stats[0] / stats[1]) if stats[1] > 0 else 0.0)
         metrics["dppo/microbatch_imbalance"].append(float(stats[2] / stats[3]) if stats[3] > 0 else 1.0)
         return microbatches
+
+    @staticmethod
+    def _filler_row(batch) -> dict:
+        """A one-row batch that contributes exactly zero and costs one token: no loss token, one prompt token,
+        A = 0, weight 0, log-probs 0 and IS ratio 1 (so every TRL term is finite before it is masked)."""
+        row = select_rows(batch, torch.zeros(1, dtype=torch.long))
+        for key, value in row.items():
+            if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                continue
+            if key == "prompt_mask":
+                value = torch.zeros_like(value)
+                value[:, -1] = 1  # prompts are left-padded: the last column is a real token
+            elif key == "importance_sampling_ratio":
+                value = torch.ones_like(value)
+            elif key not in ("prompt_ids", "completion_ids"):
+                value = torch.zeros_like(value)
+            row[key] = value
+        return row

@@ -9,7 +9,7 @@ from dppo_trl import DPPOConfig
 
 BASE = dict(output_dir="unused", bf16=False, use_cpu=True, report_to=[])
 
-DPPO_FIELDS = {"completion_keep_rate", "keep_floor", "prune_sampling", "prune_seed"}
+DPPO_FIELDS = {"completion_keep_rate", "keep_floor", "prune_sampling", "prune_seed", "packing", "max_packed_tokens"}
 
 
 def make(**kwargs):
@@ -52,6 +52,12 @@ def test_defaults():
         ("prune_seed", 1.5),
         ("prune_seed", "7"),
         ("prune_seed", True),
+        ("packing", "yes"),
+        ("packing", 1),
+        ("max_packed_tokens", 0),
+        ("max_packed_tokens", -5),
+        ("max_packed_tokens", 1.5),
+        ("max_packed_tokens", True),
     ],
 )
 def test_bad_values_name_the_field(field, value):
@@ -69,6 +75,8 @@ def test_bad_values_name_the_field(field, value):
         (dict(prune_sampling="zero_variance", completion_keep_rate=0.3), "completion_keep_rate"),
         (dict(prune_sampling="topk", keep_floor=0.2), "keep_floor"),
         (dict(prune_sampling="topk", prune_seed=3), "prune_seed"),
+        (dict(packing=False, max_packed_tokens=64), "max_packed_tokens"),
+        (dict(completion_keep_rate=1.0, entropy_coef=0.01), "entropy_coef"),
     ],
 )
 def test_combinations_that_cannot_stay_unbiased_or_are_unused_are_rejected(kwargs, field):
@@ -76,9 +84,9 @@ def test_combinations_that_cannot_stay_unbiased_or_are_unused_are_rejected(kwarg
         make(**kwargs)
 
 
-def test_pruning_off_accepts_every_grpo_option():
-    cfg = make(completion_keep_rate=1.0, top_entropy_quantile=0.2, entropy_coef=0.01)
-    assert not cfg.completion_pruning
+def test_pruning_and_packing_off_accept_every_grpo_option():
+    cfg = make(completion_keep_rate=1.0, packing=False, top_entropy_quantile=0.2, entropy_coef=0.01)
+    assert not cfg.completion_pruning and not cfg.dppo_training_path
 
 
 def test_validation_happens_before_grpo_config():

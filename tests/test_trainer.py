@@ -18,7 +18,7 @@ class RecordingTrainer(DPPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         if self.model.training:
             self.__dict__.setdefault("records", []).append(
-                {k: out[k].detach().clone() for k in ("completion_ids", "completion_mask", "advantages", "dppo_keep", "dppo_weight")
+                {k: out[k].detach().clone() for k in ("completion_ids", "prompt_mask", "completion_mask", "advantages", "dppo_keep", "dppo_weight")
                  if k in out}
             )
         return out
@@ -39,13 +39,27 @@ def train(cls, tmp_path, model_dir, dataset, reward=random_reward, config_cls=DP
     return trainer
 
 
-def test_keep_rate_one_is_exactly_grpo(tmp_path, tiny_model_dir, train_dataset):
+def test_keep_rate_one_without_packing_is_exactly_grpo(tmp_path, tiny_model_dir, train_dataset):
     common = dict(max_steps=3, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2)
     grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
-    dppo = train(DPPOTrainer, tmp_path / "d", tiny_model_dir, train_dataset, completion_keep_rate=1.0, **common)
+    dppo = train(DPPOTrainer, tmp_path / "d", tiny_model_dir, train_dataset, completion_keep_rate=1.0,
+                 packing=False, **common)
     assert losses_of(grpo) == losses_of(dppo)
     for name, p in params_of(grpo).items():
         assert torch.equal(p, params_of(dppo)[name]), name
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "cispo"])
+def test_packing_without_pruning_trains_like_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
+    common = dict(max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2,
+                  gradient_accumulation_steps=2, num_iterations=2)
+    grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
+    dppo = train(RecordingTrainer, tmp_path / "d", tiny_model_dir, train_dataset, completion_keep_rate=1.0,
+                 packing=True, **common)
+    assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
+    assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-6)
+    for name, p in params_of(grpo).items():
+        torch.testing.assert_close(params_of(dppo)[name], p, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
@@ -64,12 +78,18 @@ def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir,
 
 
 def count_logprob_rows(trainer):
-    """Rows through the model in TRL's log-prob passes (old, ref, loss): those calls carry `labels`."""
-    counter = {"rows": 0}
+    """Sequences and tokens through the model in the log-prob passes (old, ref, loss): TRL's padded calls carry
+    `labels`, packed calls `shift_labels` with `position_ids` restarting at 0 for each sequence."""
+    counter = {"rows": 0, "tokens": 0}
 
     def hook(module, args, kwargs):
         if "labels" in kwargs:
             counter["rows"] += kwargs["input_ids"].size(0)
+        elif "shift_labels" in kwargs:
+            counter["rows"] += int((kwargs["position_ids"] == 0).sum())
+        else:
+            return
+        counter["tokens"] += kwargs["input_ids"].numel()
 
     for model in (trainer.model, trainer.ref_model):
         if model is not None:
@@ -77,8 +97,8 @@ def count_logprob_rows(trainer):
     return counter
 
 
-@pytest.mark.parametrize("use_peft", [False, True])
-def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft):
+@pytest.mark.parametrize("use_peft,packing", [(False, False), (True, False), (False, True), (True, True)])
+def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft, packing):
     kwargs = dict(max_steps=2, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2,
                   per_device_train_batch_size=8, num_generations=4)
     peft_config = None
@@ -89,19 +109,23 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
     totals = {}
     for name, cls, cfg, extra in [
         ("grpo", GRPOTrainer, GRPOConfig, {}),
-        ("dppo", RecordingTrainer, DPPOConfig, {"completion_keep_rate": 0.5}),
+        ("dppo", RecordingTrainer, DPPOConfig, {"completion_keep_rate": 0.5, "packing": packing}),
     ]:
         args = cpu_config(tmp_path / name, cls=cfg, **kwargs, **extra)
         trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=peft_config)
         counter = count_logprob_rows(trainer)
         trainer.train()
-        totals[name] = (counter["rows"], trainer)
+        totals[name] = (counter, trainer)
     # GRPO: per generation batch of 16 rows, an old pass, a ref pass and num_iterations=2 loss passes.
-    assert totals["grpo"][0] == 16 * 4  # 2 optimizer steps x 2 micro-steps = 1 generation batch, 2 iterations
+    assert totals["grpo"][0]["rows"] == 16 * 4  # 2 optimizer steps x 2 micro-steps = 1 generation batch
     dppo = totals["dppo"][1]
     kept = sum(int(r["dppo_keep"].sum()) for r in dppo.records)
-    assert 0 < kept < 16 * len(dppo.records)
-    assert totals["dppo"][0] == kept * 4  # old + ref + 2 loss passes, kept rows only
+    assert dppo.args.steps_per_generation <= kept < 16 * len(dppo.records)  # no filler rows needed here
+    assert totals["dppo"][0]["rows"] == kept * 4  # old + ref + 2 loss passes, kept rows only
+    if packing:  # and not one padding token
+        real = sum(int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1))[r["dppo_keep"]].sum())
+                   for r in dppo.records)
+        assert totals["dppo"][0]["tokens"] == real * 4
 
 
 def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_model_dir, train_dataset):

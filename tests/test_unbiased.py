@@ -72,12 +72,9 @@ def dppo_loss_and_grad(trainer, batch, keep, weights):
     """Total loss and gradient of one generation batch through DPPOTrainer's own split and loss."""
     b = dict(batch)
     b["dppo_keep"] = keep
-    forward = keep.clone()
-    if not forward.any():
-        forward[0] = True
-    b["dppo_forward"] = forward
     b["dppo_weight"] = weights.float()
-    trainer._kept_rows_per_rank = [int(keep.sum())]
+    lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
+    trainer._kept_lengths_per_rank = [lengths[keep].tolist()]
     trainer.model.zero_grad()
     total = 0.0
     for mb in trainer._kept_microbatches(b):

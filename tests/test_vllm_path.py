@@ -59,7 +59,8 @@ def run(cls, config_cls, tmp_path, mode, **kwargs):
 def test_every_row_kept_reproduces_trls_importance_sampling(tmp_path, tiny_model_dir, train_dataset, mode):
     results = {}
     for name, cls, cfg, extra in [("grpo", SimGRPO, GRPOConfig, {}),
-                                  ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5, "keep_floor": 1.0})]:
+                                  ("dppo", SimDPPO, DPPOConfig,
+                                   {"completion_keep_rate": 0.5, "keep_floor": 1.0, "packing": False})]:
         args = run(cls, cfg, tmp_path / name, mode, max_steps=3, **extra)
         trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
         trainer.use_vllm = True

@@ -1,0 +1,76 @@
+"""Dense Prompt Packing: pure planning of token-balanced micro-batches and padding-free packed rows.
+
+No TRL import. Lengths are token counts of whole sequences (prompt + completion, padding excluded).
+
+- ``assign_microbatches``: every row to exactly one of ``num_microbatches`` bins, none empty when there are
+  at least as many rows, balanced by tokens with LPT (longest first, into the least-loaded bin). Graham's
+  bound: the fullest bin holds at most ``4/3 - 1/(3m)`` times the optimum, and never more than
+  ``total / m + (1 - 1/m) * longest``.
+- ``pack_rows``: first-fit decreasing of one bin's sequences into packed rows of at most ``budget`` tokens;
+  a sequence longer than the budget gets a row of its own (never dropped or cut).
+- ``packed_layout``: where each sequence's tokens sit in the packed rows, and the ``position_ids`` that
+  restart at 0 for each sequence (transformers derives the block-diagonal causal mask from them).
+"""
+
+from __future__ import annotations
+
+
+def _lpt_order(lengths: list[int]) -> list[int]:
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+
+def assign_microbatches(lengths: list[int], num_microbatches: int) -> list[list[int]]:
+    """Indices of the rows in each of ``num_microbatches`` bins (LPT; ties: fewer rows, then lower bin).
+
+    Deterministic, and the bins' (row count, token load) profile depends only on the multiset of lengths,
+    so every rank can compute every other rank's profile from the gathered lengths alone.
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches!r} must be >= 1")
+    bins: list[list[int]] = [[] for _ in range(num_microbatches)]
+    loads = [0] * num_microbatches
+    for i in _lpt_order(lengths):
+        target = min(range(num_microbatches), key=lambda b: (loads[b], len(bins[b]), b))
+        bins[target].append(i)
+        loads[target] += lengths[i]
+    return bins
+
+
+def microbatch_row_counts(lengths: list[int], num_microbatches: int) -> list[int]:
+    """Rows in each bin of ``assign_microbatches(lengths, num_microbatches)``."""
+    return [len(b) for b in assign_microbatches(lengths, num_microbatches)]
+
+
+def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: positions (into ``lengths``) of the sequences of each packed row, each row holding
+    at most ``budget`` tokens unless it is a single sequence longer than the budget."""
+    if budget < 1:
+        raise ValueError(f"budget={budget!r} must be >= 1")
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for i in _lpt_order(lengths):
+        for r, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                rows[r].append(i)
+                loads[r] += lengths[i]
+                break
+        else:
+            rows.append([i])
+            loads.append(lengths[i])
+    return rows
+
+
+def packed_layout(lengths: list[int], row: list[int]) -> tuple[list[int], list[int]]:
+    """For one packed row: the start offset of each of its sequences and the row's ``position_ids``."""
+    starts, position_ids, offset = [], [], 0
+    for i in row:
+        starts.append(offset)
+        position_ids.extend(range(lengths[i]))
+        offset += lengths[i]
+    return starts, position_ids
+
+
+def default_packed_tokens(rows_per_microbatch: int, longest_sequence: int) -> int:
+    """The default budget of one packed row: what one padded micro-batch allocates, so packing never needs
+    more activation memory than TRL's padded micro-batch."""
+    return max(1, rows_per_microbatch * longest_sequence)
