@@ -1,0 +1,168 @@
+"""Dense Prompt Packing: planner properties, packed == padded (log-probs, loss, gradients), edge cases."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import cpu_config, random_reward
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_trainer import RecordingTrainer, losses_of
+from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
+from trl import GRPOTrainer
+
+from dppo_trl.packing import (
+    assign_microbatches,
+    default_packed_tokens,
+    microbatch_row_counts,
+    pack_rows,
+    packed_layout,
+)
+
+lengths_strategy = st.lists(st.integers(1, 500), min_size=0, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_strategy, m=st.integers(1, 9))
+def test_assignment_places_every_row_once_in_exactly_m_bins(lengths, m):
+    bins = assign_microbatches(lengths, m)
+    assert len(bins) == m
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    if len(lengths) >= m:
+        assert all(bins)
+    assert bins == assign_microbatches(lengths, m)  # deterministic
+    if lengths:
+        loads = [sum(lengths[i] for i in b) for b in bins]
+        # List-scheduling bound, whatever the optimum.
+        assert max(loads) <= sum(lengths) / m + (1 - 1 / m) * max(lengths) + 1e-9
+
+
+def _optimum(lengths, m):
+    best = math.inf
+    for labels in itertools.product(range(m), repeat=len(lengths)):
+        loads = [0] * m
+        for length, b in zip(lengths, labels):
+            loads[b] += length
+        best = min(best, max(loads))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 100), min_size=1, max_size=8), m=st.integers(2, 3))
+def test_assignment_is_within_grahams_bound_of_the_optimum(lengths, m):
+    loads = [sum(lengths[i] for i in b) for b in assign_microbatches(lengths, m)]
+    assert max(loads) <= (4 / 3 - 1 / (3 * m)) * _optimum(lengths, m) + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=lengths_strategy, m=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_row_counts_depend_only_on_the_multiset_of_lengths(lengths, m, seed):
+    shuffled = list(lengths)
+    torch.manual_seed(seed)
+    shuffled = [shuffled[i] for i in torch.randperm(len(shuffled)).tolist()]
+    assert microbatch_row_counts(lengths, m) == microbatch_row_counts(shuffled, m)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_strategy, budget=st.integers(1, 800))
+def test_pack_rows_respects_the_budget_and_keeps_every_sequence(lengths, budget):
+    rows = pack_rows(lengths, budget)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    for r in rows:
+        assert sum(lengths[i] for i in r) <= budget or len(r) == 1
+    assert rows == pack_rows(lengths, budget)
+
+
+def test_packed_layout_restarts_positions():
+    starts, pos = packed_layout([3, 5, 2], [1, 0, 2])
+    assert starts == [0, 5, 8]
+    assert pos == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    assert default_packed_tokens(8, 40) == 320
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(ValueError, match="num_microbatches"):
+        assign_microbatches([1, 2], 0)
+    with pytest.raises(ValueError, match="budget"):
+        pack_rows([1, 2], 0)
+
+
+def _padded_and_packed(trainer, batch):
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].size(1)
+    padded = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, width, compute_entropy=True)
+    packed = trainer._packed_logps_and_entropies(trainer.model, ids, mask, width, compute_entropy=True)
+    return padded, packed
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("use_peft", [False, True])
+@pytest.mark.parametrize("budget", [None, 12])
+def test_packed_logprobs_equal_padded(tmp_path, tiny_model_dir, train_dataset, attn, use_peft, budget):
+    extra = {"model_init_kwargs": {"attn_implementation": attn}}
+    if budget is not None:
+        extra["max_packed_tokens"] = budget  # several packed rows, and rows longer than the budget alone
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "grpo", 0.05, 1, **extra)
+    if use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        trainer.model = get_peft_model(trainer.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3)
+    batch = synthetic_batch(trainer)
+    with torch.no_grad():
+        (lp, ent, _), (plp, pent, _) = _padded_and_packed(trainer, batch)
+    m = batch["completion_mask"].bool()
+    assert (lp[m] - plp[m]).abs().max() < 1e-5
+    assert (ent[m] - pent[m]).abs().max() < 1e-5
+    assert torch.all(plp[~m] == 0)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "sapo"])
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_packed_loss_and_gradient_equal_padded(tmp_path, tiny_model_dir, train_dataset, loss_type, use_peft):
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, 0.05, 3)
+    if use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        trainer.model = get_peft_model(trainer.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    batch = synthetic_batch(trainer, seed=2)
+    keep = torch.tensor([True, True, False, True, True, True])
+    weights = torch.where(keep, torch.tensor([1.5, 2.0, 0.0, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS))
+    results = {}
+    for packing in (False, True):
+        trainer.args.packing = packing
+        results[packing] = dppo_loss_and_grad(trainer, batch, keep, weights)
+    (loss, grad), (packed_loss, packed_grad) = results[False], results[True]
+    assert grad.abs().sum() > 0
+    assert float(packed_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(packed_grad, grad, rtol=1e-4, atol=1e-6)
+
+
+def test_fewer_kept_rows_than_micro_steps(tmp_path, tiny_model_dir, train_dataset):
+    trainer = RecordingTrainer(
+        tiny_model_dir, random_reward, train_dataset=train_dataset,
+        args=cpu_config(tmp_path, max_steps=2, steps_per_generation=4, gradient_accumulation_steps=4,
+                        per_device_train_batch_size=4, num_generations=4, completion_keep_rate=0.05,
+                        prune_sampling="topk"),
+    )
+    trainer.train()
+    assert all(int(r["dppo_keep"].sum()) == 1 for r in trainer.records)
+    assert all(math.isfinite(x) for x in losses_of(trainer))
+
+
+def test_a_sequence_longer_than_the_budget_gets_a_row_of_its_own(tmp_path, tiny_model_dir, train_dataset):
+    trainer = RecordingTrainer(
+        tiny_model_dir, random_reward, train_dataset=train_dataset,
+        args=cpu_config(tmp_path, max_steps=2, max_packed_tokens=3, beta=0.05),
+    )
+    trainer.train()
+    lengths = [int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1)).max()) for r in trainer.records]
+    assert max(lengths) > 3
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in logs)
+    assert all(h["dppo/token_density"] == pytest.approx(1.0) for h in logs)
