@@ -74,9 +74,10 @@ class DPPOConfig(GRPOConfig):
     max_packed_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "Token budget of one packed row (with `packing`). None: `per_device_train_batch_size` x the "
-            "padded sequence width of the generation batch, i.e. no more than one padded micro-batch of TRL. A "
-            "sequence longer than the budget gets a row of its own; nothing is cut or dropped."
+            "help": "Token budget of one packed row (with `packing`). None: with flash attention (cost per "
+            "sequence), `per_device_train_batch_size` x the padded sequence width of the generation batch (one "
+            "padded micro-batch of TRL); with sdpa or eager (cost quadratic in the packed row), the padded "
+            "sequence width. A sequence longer than the budget gets a row of its own; nothing is cut or dropped."
         },
     )
 

@@ -70,7 +70,9 @@ def packed_layout(lengths: list[int], row: list[int]) -> tuple[list[int], list[i
     return starts, position_ids
 
 
-def default_packed_tokens(rows_per_microbatch: int, longest_sequence: int) -> int:
-    """The default budget of one packed row: what one padded micro-batch allocates, so packing never needs
-    more activation memory than TRL's padded micro-batch."""
-    return max(1, rows_per_microbatch * longest_sequence)
+def default_packed_tokens(rows_per_microbatch: int, longest_sequence: int, varlen_attention: bool) -> int:
+    """The default budget of one packed row. With a variable-length attention kernel (flash attention), whose
+    cost is per sequence, one padded micro-batch's worth (``rows x longest``): fewest forward calls, no more
+    memory than TRL's padded micro-batch. Otherwise (sdpa, eager: a dense block-diagonal mask, cost quadratic
+    in the packed row) the longest sequence: a packed row never costs more than one padded row."""
+    return max(1, rows_per_microbatch * longest_sequence if varlen_attention else longest_sequence)

@@ -83,6 +83,8 @@ class DPPOTrainer(GRPOTrainer):
         self._captured_logps: list | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
+        attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
+        self._varlen_attention = "flash" in attention
 
     # ------------------------------------------------------------------ hooks
     def _dppo_now(self) -> bool:
@@ -328,7 +330,7 @@ class DPPOTrainer(GRPOTrainer):
         prompt_lengths = real[:, :prompt_width].sum(1).tolist()
         lengths = real.sum(1).tolist()
         budget = self.args.max_packed_tokens or default_packed_tokens(
-            self.args.per_device_train_batch_size, input_ids.size(1)
+            self.args.per_device_train_batch_size, input_ids.size(1), varlen_attention=self._varlen_attention
         )
         device = input_ids.device
         zeros = torch.zeros(logits_to_keep, device=device)

@@ -78,7 +78,8 @@ def test_packed_layout_restarts_positions():
     starts, pos = packed_layout([3, 5, 2], [1, 0, 2])
     assert starts == [0, 5, 8]
     assert pos == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
-    assert default_packed_tokens(8, 40) == 320
+    assert default_packed_tokens(8, 40, varlen_attention=True) == 320
+    assert default_packed_tokens(8, 40, varlen_attention=False) == 40
 
 
 def test_bad_plan_arguments():
