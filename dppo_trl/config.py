@@ -10,6 +10,8 @@ from .pruning import SAMPLING_DESIGNS, SUPPORTED_LOSS_TYPES, UNBIASED_DESIGNS
 
 _DEFAULT_KEEP_RATE = 0.5
 _DEFAULT_KEEP_FLOOR = 0.05
+_DEFAULT_PROMPT_KEEP_FLOOR = 0.1
+_DEFAULT_PROMPT_HISTORY_DECAY = 0.5
 
 
 def _check_unit_interval(name: str, value) -> None:
@@ -62,6 +64,30 @@ class DPPOConfig(GRPOConfig):
         },
     )
 
+    prompt_keep_rate: float = field(
+        default=1.0,
+        metadata={
+            "help": "Prompt pruning before rollout, in (0, 1]: the target fraction of the prompts the training "
+            "sampler has seen that it accepts. A prompt is accepted with probability q = clip(score / tau_q, "
+            "prompt_keep_floor, 1), its score being the moving average of its groups' mean |A| (unseen prompts: "
+            "q = 1), and carries the weight mean(q) / q, so each step's expected gradient stays GRPO's. "
+            "1.0 switches prompt pruning off. Needs a map-style (not streaming) dataset."
+        },
+    )
+    prompt_keep_floor: float = field(
+        default=_DEFAULT_PROMPT_KEEP_FLOOR,
+        metadata={
+            "help": "Smallest acceptance probability of a prompt, in (0, 1]; caps the prompt weight at "
+            "1 / prompt_keep_floor. Used with prompt_keep_rate < 1 only."
+        },
+    )
+    prompt_history_decay: float = field(
+        default=_DEFAULT_PROMPT_HISTORY_DECAY,
+        metadata={
+            "help": "Weight of the old value in a prompt's moving-average score, in [0, 1): 0 keeps only the "
+            "latest group's mean |A|. Used with prompt_keep_rate < 1 only."
+        },
+    )
     packing: bool = field(
         default=True,
         metadata={
@@ -91,10 +117,15 @@ class DPPOConfig(GRPOConfig):
         return self.prune_sampling == "zero_variance" or self.completion_keep_rate < 1.0
 
     @property
+    def prompt_pruning(self) -> bool:
+        """Whether prompt pruning (before rollout) is on."""
+        return self.prompt_keep_rate < 1.0
+
+    @property
     def dppo_training_path(self) -> bool:
         """Whether training batches go through DPPO's micro-batching (pruning or packing); otherwise every hook
         is TRL's own and the trainer is exactly `GRPOTrainer`."""
-        return self.completion_pruning or self.packing
+        return self.completion_pruning or self.prompt_pruning or self.packing
 
     def _validate_dppo_fields(self) -> None:
         _check_unit_interval("completion_keep_rate", self.completion_keep_rate)
@@ -107,6 +138,18 @@ class DPPOConfig(GRPOConfig):
             isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
         ):
             raise ValueError(f"prune_seed={self.prune_seed!r} is invalid: it must be None or an integer >= 0.")
+        _check_unit_interval("prompt_keep_rate", self.prompt_keep_rate)
+        _check_unit_interval("prompt_keep_floor", self.prompt_keep_floor)
+        decay = self.prompt_history_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
+            raise ValueError(f"prompt_history_decay={decay!r} is invalid: it must be a number in [0, 1).")
+        if not self.prompt_pruning:
+            for name, default in (("prompt_keep_floor", _DEFAULT_PROMPT_KEEP_FLOOR),
+                                  ("prompt_history_decay", _DEFAULT_PROMPT_HISTORY_DECAY)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} is not used while prompt_keep_rate=1.0 (prompt pruning off)."
+                    )
         if not isinstance(self.packing, bool):
             raise ValueError(f"packing={self.packing!r} is invalid: it must be True or False.")
         if self.max_packed_tokens is not None and (

@@ -19,14 +19,18 @@ The math lives in ``dppo_trl.pruning`` and ``dppo_trl.packing``; with ``completi
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import torch
+from datasets import IterableDataset
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
 from .config import DPPOConfig
+from .prompts import PromptPruningSampler
 from .packing import assign_microbatches, default_packed_tokens, microbatch_row_counts, pack_rows, packed_layout
 from .pruning import (
     SEQUENCE_MEAN_LOSS_TYPES,
@@ -79,6 +83,14 @@ class DPPOTrainer(GRPOTrainer):
                 "per-row terms and cannot be reweighted; set router_aux_loss_coef=0.0, or completion_keep_rate=1.0 "
                 "with packing=False."
             )
+        if args.prompt_pruning and isinstance(self.train_dataset, IterableDataset):
+            raise ValueError(
+                f"prompt_keep_rate={args.prompt_keep_rate!r}: prompt pruning needs a map-style dataset (it keeps a "
+                "history per dataset row); a streaming IterableDataset is not supported. Use prompt_keep_rate=1.0."
+            )
+        self._prompt_sampler: PromptPruningSampler | None = None
+        self._prompt_resume: tuple[dict, int] | None = None
+        self._next_prompt_batch = 0
         self._deferred_logp_calls: list | None = None
         self._captured_logps: list | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
@@ -126,10 +138,91 @@ class DPPOTrainer(GRPOTrainer):
                 "Completion pruning does not support multimodal batches yet; set completion_keep_rate=1.0."
             )
         keep, weights = self._draw_keep_mask(output)
+        if self.args.prompt_pruning:
+            weights = weights * self._take_prompt_decision(inputs, output)
         self._run_deferred_logps(output, calls, keep)
         output["dppo_keep"] = keep
         output["dppo_weight"] = weights.to(torch.float32)
         return output
+
+    def _get_train_sampler(self, dataset=None):
+        if not self.args.prompt_pruning:
+            return super()._get_train_sampler(dataset)
+        if self._prompt_sampler is None:
+            dataset = self.train_dataset if dataset is None else dataset
+            base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
+            self._prompt_sampler = PromptPruningSampler(
+                num_prompts=len(dataset),
+                group_size=self.num_generations,
+                prompts_per_batch=self.args.generation_batch_size // self.num_generations,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+                keep_rate=self.args.prompt_keep_rate,
+                keep_floor=self.args.prompt_keep_floor,
+                history_decay=self.args.prompt_history_decay,
+                shuffle=self.shuffle_dataset,
+                seed=self.args.seed,
+                accept_seed=(base * 0xD1B54A32D192ED03 + 0x8CB92BA72F3D8DD7) % 2**63,
+                max_epochs=None if self.args.max_steps > 0 else math.ceil(self.args.num_train_epochs),
+            )
+            self._prompt_sampler.skip_units = self._resume_skip_units
+            if self._prompt_resume is not None:
+                self._prompt_sampler.load_state_dict(*self._prompt_resume)
+                self._prompt_resume = None
+        return self._prompt_sampler
+
+    def _resume_skip_units(self) -> int:
+        """How many dataloader batches the HF Trainer discards when it resumes (its own arithmetic, on the
+        unpruned epoch length that the sampler reports)."""
+        if self.args.ignore_data_skip:
+            return 0
+        units_per_epoch = len(self._prompt_sampler) // self.args.generation_batch_size
+        steps_per_epoch = max(math.ceil(units_per_epoch / self.args.gradient_accumulation_steps), 1)
+        return (self.state.global_step % steps_per_epoch) * self.args.gradient_accumulation_steps
+
+    def _take_prompt_decision(self, inputs, output) -> torch.Tensor:
+        """This generation batch's prompt weights (this rank's rows); feeds the group's mean |A| back to the
+        history. Checks that the batch is the one the sampler planned."""
+        decision = self._prompt_sampler.pop_decision(self._next_prompt_batch)
+        self._next_prompt_batch = decision["number"] + 1
+        group = self.num_generations
+        rows = [i for i in decision["prompts"] for _ in range(group)]
+        local = len(inputs)
+        mine = rows[self.accelerator.process_index * local : (self.accelerator.process_index + 1) * local]
+        expected = [self.train_dataset[i]["prompt"] for i in mine]
+        if expected != [x["prompt"] for x in inputs]:
+            raise RuntimeError("DPPO prompt sampler and trainer disagree on the generation batch's prompts.")
+        advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
+        if advantages.dim() > 1:
+            advantages = advantages.abs().amax(dim=1)
+        self._prompt_sampler.update(decision["prompts"], advantages.abs().view(-1, group).mean(1).tolist())
+        weights = torch.tensor([w for w in decision["weights"] for _ in range(group)], dtype=torch.float64)
+        metrics = self._metrics["train"]
+        metrics["dppo/prompt_keep_rate"].append(decision["accepted_fraction"])
+        metrics["dppo/prompt_q_bar"].append(decision["q_bar"])
+        metrics["dppo/prompt_weight_max"].append(max(decision["weights"]))
+        local_rows = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
+        return weights[local_rows].to(output["advantages"].device)
+
+    _PROMPT_STATE_FILE = "dppo_prompt_sampler.json"
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self._prompt_sampler is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(folder, self._PROMPT_STATE_FILE), "w") as f:
+                json.dump({"sampler": self._prompt_sampler.state_dict(), "next_batch": self._next_prompt_batch}, f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, self._PROMPT_STATE_FILE) if checkpoint else None
+        if self.args.prompt_pruning and path and os.path.exists(path):
+            with open(path) as f:
+                state = json.load(f)
+            self._next_prompt_batch = state["next_batch"]
+            if self._prompt_sampler is not None:
+                self._prompt_sampler.load_state_dict(state["sampler"], state["next_batch"])
+            else:
+                self._prompt_resume = (state["sampler"], state["next_batch"])
 
     def _prepare_inputs(self, generation_batch):
         if not self._dppo_now():

@@ -9,7 +9,10 @@ from dppo_trl import DPPOConfig
 
 BASE = dict(output_dir="unused", bf16=False, use_cpu=True, report_to=[])
 
-DPPO_FIELDS = {"completion_keep_rate", "keep_floor", "prune_sampling", "prune_seed", "packing", "max_packed_tokens"}
+DPPO_FIELDS = {
+    "completion_keep_rate", "keep_floor", "prune_sampling", "prune_seed", "packing", "max_packed_tokens",
+    "prompt_keep_rate", "prompt_keep_floor", "prompt_history_decay",
+}
 
 
 def make(**kwargs):

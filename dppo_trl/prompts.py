@@ -1,0 +1,180 @@
+"""Prompt-level pruning before rollout: per-prompt history, acceptance probabilities, and the training sampler.
+
+No TRL import. The sampler replaces TRL's ``RepeatSampler`` in training and yields the same layout: each
+generation batch is ``prompts_per_batch`` distinct prompts, each repeated ``group_size`` times, and the whole
+batch repeated ``repeat_count`` times. It walks the same shuffled order as ``RepeatSampler`` (one
+``torch.randperm`` per epoch from a generator seeded with ``seed``) and accepts each candidate prompt ``j``
+with probability ``q_j`` (1 for a prompt never seen).
+
+Why the weights keep it unbiased: over one epoch every prompt is a candidate once and is accepted with
+probability ``q_j``; an accepted prompt carries ``q_bar / q_j`` (``q_bar``: the mean of ``q`` over the whole
+dataset), so the expected weighted sum over the epoch is ``q_bar * sum_j g_j`` while the epoch takes about
+``q_bar`` times GRPO's steps: per step, the expected gradient is GRPO's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from .pruning import keep_probabilities
+
+
+def prompt_acceptance_probabilities(
+    scores: torch.Tensor, seen: torch.Tensor, keep_rate: float, keep_floor: float
+) -> torch.Tensor:
+    """``q = clip(score / tau_q, keep_floor, 1)`` on seen prompts with ``mean(q[seen]) = keep_rate`` (more
+    when the floor forces it), ``q = 1`` on prompts never seen."""
+    q = torch.ones_like(scores, dtype=torch.float64)
+    if seen.any():
+        q[seen], _ = keep_probabilities(scores[seen], keep_rate, keep_floor, zero_score_contributes=True)
+    return q
+
+
+def update_history(scores: torch.Tensor, seen: torch.Tensor, indices, values, decay: float) -> None:
+    """Exponential moving average, in place: ``score = decay * score + (1 - decay) * value``; the first value a
+    prompt gets is taken as is."""
+    for index, value in zip(indices, values):
+        scores[index] = decay * scores[index] + (1.0 - decay) * value if seen[index] else value
+        seen[index] = True
+
+
+class PromptPruningSampler(Sampler[int]):
+    """TRL's repeat layout over prompts accepted with probability ``q`` (see the module docstring).
+
+    Each data epoch is planned when it starts: ``q`` from the history at that time, one acceptance draw per
+    prompt in the shuffled order, accepted prompts cut into full batches (an incomplete last batch is dropped,
+    as in ``RepeatSampler``). Every planned batch is numbered and kept in ``decisions`` (prompts, weights)
+    until the trainer takes it with ``pop_decision``; the trainer feeds the history back with ``update``.
+
+    ``__len__`` is the unpruned epoch length, an upper bound that keeps the HF Trainer's step arithmetic
+    (epochs, resume skipping) that of GRPO; a pruned epoch simply ends early. After ``load_state_dict`` the
+    next iteration first yields ``skip_units()`` placeholder units (the Trainer's resume logic discards that
+    many batches), then the rest of the interrupted epoch from the first batch not yet taken.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        group_size: int,
+        prompts_per_batch: int,
+        repeat_count: int,
+        keep_rate: float,
+        keep_floor: float,
+        history_decay: float,
+        shuffle: bool = True,
+        seed: int = 0,
+        accept_seed: int = 0,
+        max_epochs: int | None = None,
+    ):
+        self.num_prompts = num_prompts
+        self.group_size = group_size
+        self.prompts_per_batch = prompts_per_batch
+        self.repeat_count = repeat_count
+        self.keep_rate = keep_rate
+        self.keep_floor = keep_floor
+        self.history_decay = history_decay
+        self.shuffle = shuffle
+        self.seed = seed
+        self.max_epochs = max_epochs
+        self.scores = torch.zeros(num_prompts, dtype=torch.float64)
+        self.seen = torch.zeros(num_prompts, dtype=torch.bool)
+        self.epoch = 0  # data epochs planned so far
+        self.batches_planned = 0
+        self.plan: list[dict] = []  # the current epoch's batches
+        self.decisions: dict[int, dict] = {}
+        self.generator = torch.Generator().manual_seed(accept_seed)
+        self.order_generator = torch.Generator().manual_seed(seed)
+        self.skip_units = lambda: 0
+        self._resume_from: int | None = None
+
+    def _next_order(self) -> list[int]:
+        """The order TRL's RepeatSampler walks in the next epoch: one randperm per epoch from a generator
+        seeded with ``seed``."""
+        if not self.shuffle:
+            return list(range(self.num_prompts))
+        return torch.randperm(self.num_prompts, generator=self.order_generator).tolist()
+
+    def acceptance(self) -> torch.Tensor:
+        return prompt_acceptance_probabilities(self.scores, self.seen, self.keep_rate, self.keep_floor)
+
+    def _plan_epoch(self) -> list[dict]:
+        q = self.acceptance()
+        q_bar = float(q.mean())
+        order = self._next_order()
+        draws = torch.rand(len(order), generator=self.generator, dtype=torch.float64)
+        accepted = [i for i, u in zip(order, draws.tolist()) if u < float(q[i])]
+        plan = []
+        size = self.prompts_per_batch
+        for start in range(0, len(accepted) - size + 1, size):
+            prompts = accepted[start : start + size]
+            plan.append({
+                "number": self.batches_planned,
+                "epoch": self.epoch,
+                "prompts": prompts,
+                "weights": [q_bar / float(q[i]) for i in prompts],
+                "q_bar": q_bar,
+                "accepted_fraction": len(accepted) / max(len(order), 1),
+            })
+            self.batches_planned += 1
+        self.epoch += 1
+        return plan
+
+    def _expand(self, prompts: list[int]) -> Iterator[int]:
+        for _ in range(self.repeat_count):
+            for index in prompts:
+                yield from [index] * self.group_size
+
+    def __iter__(self) -> Iterator[int]:
+        if self._resume_from is not None:
+            start, self._resume_from = self._resume_from, None
+            placeholder = self.plan[0]["prompts"] if self.plan else list(range(self.prompts_per_batch))
+            for _ in range(self.skip_units()):
+                for index in placeholder:
+                    yield from [index] * self.group_size
+            remaining = [b for b in self.plan if b["number"] >= start]
+        else:
+            if self.max_epochs is not None and self.epoch >= self.max_epochs:
+                return
+            self.plan = self._plan_epoch()
+            remaining = self.plan
+        for batch in remaining:
+            self.decisions[batch["number"]] = batch
+            yield from self._expand(batch["prompts"])
+
+    def __len__(self) -> int:
+        return (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.group_size * self.repeat_count
+
+    def pop_decision(self, number: int) -> dict:
+        """The planned batch ``number`` (its prompts and weights); older ones are forgotten."""
+        for stale in [n for n in self.decisions if n < number]:
+            del self.decisions[stale]
+        return self.decisions.pop(number)
+
+    def update(self, prompts, mean_abs_advantages) -> None:
+        update_history(self.scores, self.seen, prompts, mean_abs_advantages, self.history_decay)
+
+    def state_dict(self) -> dict:
+        return {
+            "scores": self.scores.tolist(),
+            "seen": self.seen.tolist(),
+            "epoch": self.epoch,
+            "batches_planned": self.batches_planned,
+            "plan": self.plan,
+            "generator": self.generator.get_state().tolist(),
+            "order_generator": self.order_generator.get_state().tolist(),
+        }
+
+    def load_state_dict(self, state: dict, next_batch: int) -> None:
+        """Restore, and resume at planned batch ``next_batch`` (the first one the trainer has not taken)."""
+        self.scores = torch.tensor(state["scores"], dtype=torch.float64)
+        self.seen = torch.tensor(state["seen"], dtype=torch.bool)
+        self.epoch = state["epoch"]
+        self.batches_planned = state["batches_planned"]
+        self.plan = list(state["plan"])
+        self.decisions = {}
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        self.order_generator.set_state(torch.tensor(state["order_generator"], dtype=torch.uint8))
+        self._resume_from = next_batch
