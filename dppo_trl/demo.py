@@ -21,6 +21,7 @@ def main(argv=None):
     parser.add_argument("--sft-steps", type=int, default=300, help="supervised warm-start steps")
     parser.add_argument("--completion-keep-rate", type=float, default=0.5)
     parser.add_argument("--prune-sampling", default="systematic")
+    parser.add_argument("--prompt-keep-rate", type=float, default=1.0, help="prompt pruning before rollout (1.0: off)")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default=None)
@@ -46,6 +47,7 @@ def main(argv=None):
         output_dir=output_dir,
         completion_keep_rate=args.completion_keep_rate,
         prune_sampling=args.prune_sampling,
+        prompt_keep_rate=args.prompt_keep_rate,
         per_device_train_batch_size=64,
         num_generations=8,
         max_completion_length=8,

@@ -105,11 +105,15 @@ class PromptPruningSampler(Sampler[int]):
         q_bar = float(q.mean())
         order = self._next_order()
         draws = torch.rand(len(order), generator=self.generator, dtype=torch.float64)
-        accepted = [i for i, u in zip(order, draws.tolist()) if u < float(q[i])]
+        accepted_at = [pos for pos, (i, u) in enumerate(zip(order, draws.tolist())) if u < float(q[i])]
+        accepted = [order[pos] for pos in accepted_at]
         plan = []
         size = self.prompts_per_batch
+        walked = 0
         for start in range(0, len(accepted) - size + 1, size):
             prompts = accepted[start : start + size]
+            # Candidates this batch walked past (accepted or not); the last batch also takes the epoch's tail.
+            end = accepted_at[start + size - 1] + 1 if start + 2 * size <= len(accepted) else len(order)
             plan.append({
                 "number": self.batches_planned,
                 "epoch": self.epoch,
@@ -117,7 +121,9 @@ class PromptPruningSampler(Sampler[int]):
                 "weights": [q_bar / float(q[i]) for i in prompts],
                 "q_bar": q_bar,
                 "accepted_fraction": len(accepted) / max(len(order), 1),
+                "walked": end - walked,
             })
+            walked = end
             self.batches_planned += 1
         self.epoch += 1
         return plan

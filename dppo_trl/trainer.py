@@ -91,6 +91,7 @@ class DPPOTrainer(GRPOTrainer):
         self._prompt_sampler: PromptPruningSampler | None = None
         self._prompt_resume: tuple[dict, int] | None = None
         self._next_prompt_batch = 0
+        self._prompts_walked = 0
         self._deferred_logp_calls: list | None = None
         self._captured_logps: list | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
@@ -170,6 +171,19 @@ class DPPOTrainer(GRPOTrainer):
                 self._prompt_resume = None
         return self._prompt_sampler
 
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if self.args.prompt_pruning and self.args.max_steps <= 0 and not isinstance(scheduler, _DataProgressScheduler):
+            # Epoch-based: the schedule was planned for GRPO's step count; drive it by data progress instead.
+            self.lr_scheduler = scheduler = _DataProgressScheduler(scheduler, self._grpo_equivalent_steps)
+        return scheduler
+
+    def _grpo_equivalent_steps(self) -> int:
+        """Optimizer steps GRPO would have taken to walk as far through the data as this run has."""
+        batches = self._prompts_walked / (self.args.generation_batch_size // self.num_generations)
+        steps_per_batch = self.args.steps_per_generation * self.num_iterations / self.args.gradient_accumulation_steps
+        return math.floor(batches * steps_per_batch + 1e-9)
+
     def _resume_skip_units(self) -> int:
         """How many dataloader batches the HF Trainer discards when it resumes (its own arithmetic, on the
         unpruned epoch length that the sampler reports)."""
@@ -184,6 +198,7 @@ class DPPOTrainer(GRPOTrainer):
         history. Checks that the batch is the one the sampler planned."""
         decision = self._prompt_sampler.pop_decision(self._next_prompt_batch)
         self._next_prompt_batch = decision["number"] + 1
+        self._prompts_walked += decision["walked"]
         group = self.num_generations
         rows = [i for i in decision["prompts"] for _ in range(group)]
         local = len(inputs)
@@ -210,7 +225,8 @@ class DPPOTrainer(GRPOTrainer):
         if self._prompt_sampler is not None and self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             with open(os.path.join(folder, self._PROMPT_STATE_FILE), "w") as f:
-                json.dump({"sampler": self._prompt_sampler.state_dict(), "next_batch": self._next_prompt_batch}, f)
+                json.dump({"sampler": self._prompt_sampler.state_dict(), "next_batch": self._next_prompt_batch,
+                           "prompts_walked": self._prompts_walked}, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -219,6 +235,7 @@ class DPPOTrainer(GRPOTrainer):
             with open(path) as f:
                 state = json.load(f)
             self._next_prompt_batch = state["next_batch"]
+            self._prompts_walked = state["prompts_walked"]
             if self._prompt_sampler is not None:
                 self._prompt_sampler.load_state_dict(state["sampler"], state["next_batch"])
             else:
@@ -505,3 +522,22 @@ class DPPOTrainer(GRPOTrainer):
                 value = torch.zeros_like(value)
             row[key] = value
         return row
+
+
+class _DataProgressScheduler:
+    """Wraps a step-based LR scheduler so that it follows data progress: each ``step()`` advances it to the
+    number of optimizer steps GRPO would have taken to consume the same prompts. A pruned epoch takes fewer
+    steps but the schedule still reaches its end with the last epoch."""
+
+    def __init__(self, scheduler, target_steps):
+        self.scheduler = scheduler
+        self.target_steps = target_steps
+
+    def step(self, *args, **kwargs):
+        target = self.target_steps()
+        while self.scheduler.last_epoch < target:
+            self.scheduler.step()
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+

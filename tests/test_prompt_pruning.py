@@ -120,7 +120,7 @@ def small_dataset():
 
 def prompt_config(tmp_path, **kwargs):
     base = dict(prompt_keep_rate=0.5, max_steps=-1, num_train_epochs=3, per_device_train_batch_size=8,
-                num_generations=4)
+                num_generations=4, lr_scheduler_type="linear")
     base.update(kwargs)
     return cpu_config(tmp_path, **base)
 
@@ -137,6 +137,9 @@ def test_epochs_are_passes_over_the_data_in_fewer_steps(tmp_path, tiny_model_dir
     assert trainer._prompt_sampler.epoch == 3
     assert trainer.state.global_step < 3 * 8  # GRPO: 16 prompts / 2 per step x 3 epochs
     assert len(trainer.prompts_seen) == trainer.state.global_step
+    # The learning-rate schedule follows data progress: it ends with the last epoch, as GRPO's would.
+    assert trainer.lr_scheduler.last_epoch == trainer.state.max_steps == 3 * 8
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
     logs = [h for h in trainer.state.log_history if "dppo/prompt_q_bar" in h]
     assert logs[0]["dppo/prompt_q_bar"] == 1.0  # first epoch: nothing seen
     assert logs[-1]["dppo/prompt_q_bar"] < 1.0 and "dppo/prompt_weight_max" in logs[-1]
