@@ -81,6 +81,8 @@ def training_phase(trainer, batch, kind):
     from trl import GRPOTrainer
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+    from dppo_trl.packing import packed_allocation
+
     batch = {k: v.clone() for k, v in batch.items()}
     spg = trainer.args.steps_per_generation
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
@@ -103,8 +105,11 @@ def training_phase(trainer, batch, kind):
         kept_real = float(lengths[keep].sum())
         real = 2 * kept_real
         if kind == "dppo+packing":
-            fillers = sum(int(mb["dppo_weight"].eq(0).sum()) for mb in microbatches)
-            allocated = 2 * kept_real + fillers
+            budget = trainer._packed_budget(ids.size(1))
+            allocated = packed_allocation(lengths[keep].tolist(), budget) + sum(
+                packed_allocation((mb["prompt_mask"].sum(1) + mb["completion_mask"].sum(1)).tolist(), budget)
+                for mb in microbatches
+            )
         else:
             allocated = float(keep.sum()) * ids.size(1) + sum(mb["prompt_ids"].size(0) for mb in microbatches) * ids.size(1)
     for mb in microbatches:

@@ -6,8 +6,9 @@ No TRL import. Lengths are token counts of whole sequences (prompt + completion,
   at least as many rows, balanced by tokens with LPT (longest first, into the least-loaded bin). Graham's
   bound: the fullest bin holds at most ``4/3 - 1/(3m)`` times the optimum, and never more than
   ``total / m + (1 - 1/m) * longest``.
-- ``pack_rows``: first-fit decreasing of one bin's sequences into packed rows of at most ``budget`` tokens;
-  a sequence longer than the budget gets a row of its own (never dropped or cut).
+- ``pack_rows``: one bin's sequences into as few packed rows of at most ``budget`` tokens as first-fit
+  decreasing needs, balanced by LPT; a sequence longer than the budget gets a row of its own (never dropped
+  or cut).
 - ``packed_layout``: where each sequence's tokens sit in the packed rows, and the ``position_ids`` that
   restart at 0 for each sequence (transformers derives the block-diagonal causal mask from them).
 """
@@ -42,8 +43,10 @@ def microbatch_row_counts(lengths: list[int], num_microbatches: int) -> list[int
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
-    """First-fit decreasing: positions (into ``lengths``) of the sequences of each packed row, each row holding
-    at most ``budget`` tokens unless it is a single sequence longer than the budget."""
+    """Positions (into ``lengths``) of the sequences of each packed row: as few rows as first-fit decreasing
+    needs, each holding at most ``budget`` tokens unless it is a single sequence longer than the budget, and
+    the sequences then spread over those rows by LPT when that keeps within the budget, so the rows are about
+    equally long (their longest sets the width of the forward call)."""
     if budget < 1:
         raise ValueError(f"budget={budget!r} must be >= 1")
     rows: list[list[int]] = []
@@ -57,7 +60,16 @@ def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
         else:
             rows.append([i])
             loads.append(lengths[i])
+    balanced = assign_microbatches(lengths, len(rows)) if rows else rows
+    if all(len(row) == 1 or sum(lengths[i] for i in row) <= budget for row in balanced):
+        return balanced
     return rows
+
+
+def packed_allocation(lengths: list[int], budget: int) -> int:
+    """Tokens one forward call allocates for ``pack_rows(lengths, budget)``: rows x the longest packed row."""
+    rows = pack_rows(lengths, budget)
+    return len(rows) * max((sum(lengths[i] for i in row) for row in rows), default=0)
 
 
 def packed_layout(lengths: list[int], row: list[int]) -> tuple[list[int], list[int]]:

@@ -1,5 +1,5 @@
-"""``DPPOTrainer``: TRL's ``GRPOTrainer`` with unbiased completion pruning and Dense Prompt Packing wired into
-five of its hooks.
+"""``DPPOTrainer``: TRL's ``GRPOTrainer`` with unbiased completion pruning, Dense Prompt Packing and prompt
+pruning wired into its hooks.
 
 - ``_generate_and_score_completions``: TRL generates, scores and computes advantages on the FULL groups; the
   old-policy and reference log-prob passes it would run before scoring are only recorded, then run after
@@ -12,9 +12,11 @@ five of its hooks.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled
   to the full-batch normalizer; the KL term (``beta > 0``) is weighted the same way.
 - ``_calculate_rewards``: remembers the rewards (for the ``zero_variance`` filter).
+- Prompt pruning: ``_get_train_sampler`` (the sampler), ``create_scheduler`` (a schedule that follows data
+  progress in epoch-based runs), ``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (its state).
 
-The math lives in ``dppo_trl.pruning`` and ``dppo_trl.packing``; with ``completion_keep_rate=1.0`` and
-``packing=False`` every hook is TRL's own.
+The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing`` and ``dppo_trl.prompts``; with
+``completion_keep_rate=1.0``, ``prompt_keep_rate=1.0`` and ``packing=False`` every hook is TRL's own.
 """
 
 from __future__ import annotations
@@ -30,8 +32,15 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
 from .config import DPPOConfig
+from .packing import (
+    assign_microbatches,
+    default_packed_tokens,
+    microbatch_row_counts,
+    pack_rows,
+    packed_allocation,
+    packed_layout,
+)
 from .prompts import PromptPruningSampler
-from .packing import assign_microbatches, default_packed_tokens, microbatch_row_counts, pack_rows, packed_layout
 from .pruning import (
     SEQUENCE_MEAN_LOSS_TYPES,
     effective_sample_size,
@@ -431,40 +440,46 @@ class DPPOTrainer(GRPOTrainer):
             model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
         )[0]
 
+    def _packed_budget(self, padded_width: int) -> int:
+        return self.args.max_packed_tokens or default_packed_tokens(
+            self.args.per_device_train_batch_size, padded_width, varlen_attention=self._varlen_attention
+        )
+
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
         """TRL's per-token log-probs (and entropies) of the completion tokens, computed padding-free: each row's
         real tokens are laid back to back in packed rows (``position_ids`` restart at 0 per sequence, no
-        attention mask) and scored with pre-shifted labels that never cross a sequence boundary."""
+        attention mask), scored with pre-shifted labels that never cross a sequence boundary, in one forward
+        call; a packed row shorter than the longest ends with filler tokens that form a sequence of their own."""
         real = attention_mask.bool()
         prompt_width = input_ids.size(1) - logits_to_keep
         prompt_lengths = real[:, :prompt_width].sum(1).tolist()
         lengths = real.sum(1).tolist()
-        budget = self.args.max_packed_tokens or default_packed_tokens(
-            self.args.per_device_train_batch_size, input_ids.size(1), varlen_attention=self._varlen_attention
-        )
+        rows = pack_rows(lengths, self._packed_budget(input_ids.size(1)))
+        width = max(sum(lengths[b] for b in row) for row in rows)
         device = input_ids.device
-        zeros = torch.zeros(logits_to_keep, device=device)
-        logps, entropies = [zeros] * input_ids.size(0), [zeros] * input_ids.size(0)
-        for row in pack_rows(lengths, budget):
-            starts, position_ids = packed_layout(lengths, row)
-            ids = torch.cat([input_ids[b][real[b]] for b in row])
-            labels = torch.full_like(ids, -100)
+        packed_ids = torch.full((len(rows), width), self._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
+        position_ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+        labels = torch.full((len(rows), width), -100, dtype=input_ids.dtype, device=device)
+        placement = []  # (packed row, first, end) of each original row's completion predictions
+        for r, row in enumerate(rows):
+            starts, positions = packed_layout(lengths, row)
+            used = len(positions)
+            packed_ids[r, :used] = torch.cat([input_ids[b][real[b]] for b in row])
+            position_ids[r, :used] = torch.tensor(positions, device=device)
+            position_ids[r, used:] = torch.arange(width - used, device=device)
             for b, start in zip(row, starts):
                 first, end = start + prompt_lengths[b], start + lengths[b]
-                labels[first - 1 : end - 1] = ids[first:end]  # position p predicts token p + 1
-            with self.accelerator.autocast():
-                out = model(
-                    input_ids=ids[None],
-                    position_ids=torch.tensor(position_ids, device=device)[None],
-                    shift_labels=labels[None],
-                    fused_lm_head=True,
-                )
-            for b, start in zip(row, starts):
-                first, end = start + prompt_lengths[b] - 1, start + lengths[b] - 1
-                pad = logits_to_keep - (end - first)
-                logps[b] = torch.cat([out.log_probs[0, first:end].float(), zeros[:pad]])
-                if compute_entropy:
-                    entropies[b] = torch.cat([out.entropy[0, first:end].float(), zeros[:pad]])
+                labels[r, first - 1 : end - 1] = packed_ids[r, first:end]  # position p predicts token p + 1
+                placement.append((b, r, first - 1, end - 1))
+        with self.accelerator.autocast():
+            out = model(input_ids=packed_ids, position_ids=position_ids, shift_labels=labels, fused_lm_head=True)
+        zeros = torch.zeros(logits_to_keep, device=device)
+        logps, entropies = [zeros] * input_ids.size(0), [zeros] * input_ids.size(0)
+        for b, r, first, end in placement:
+            pad = zeros[: logits_to_keep - (end - first)]
+            logps[b] = torch.cat([out.log_probs[r, first:end].float(), pad])
+            if compute_entropy:
+                entropies[b] = torch.cat([out.entropy[r, first:end].float(), pad])
         return torch.stack(logps), torch.stack(entropies) if compute_entropy else None, None
 
     def _kept_microbatches(self, batch) -> list[dict]:
@@ -486,6 +501,7 @@ class DPPOTrainer(GRPOTrainer):
         filler = self._filler_row(batch)
         width = batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
         microbatches, real, allocated, tokens_per_mb = [], 0.0, 0.0, []
+        budget = self._packed_budget(width)
         for rows, size in zip(bins, sizes):
             mb = select_rows(batch, torch.tensor(rows, dtype=torch.long))
             if size > len(rows):
@@ -497,7 +513,8 @@ class DPPOTrainer(GRPOTrainer):
             tokens = float(sum(lengths[i] for i in rows))
             tokens_per_mb.append(tokens)
             real += tokens
-            allocated += tokens + (size - len(rows)) if self.args.packing else size * width
+            fillers = [1] * (size - len(rows))  # a filler row forwards one token
+            allocated += packed_allocation([lengths[i] for i in rows] + fillers, budget) if self.args.packing else size * width
         stats = torch.tensor([real, allocated, max(tokens_per_mb), sum(tokens_per_mb) / spg])
         stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
         metrics = self._metrics["train"]

@@ -166,4 +166,4 @@ def test_a_sequence_longer_than_the_budget_gets_a_row_of_its_own(tmp_path, tiny_
     assert max(lengths) > 3
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs and all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in logs)
-    assert all(h["dppo/token_density"] == pytest.approx(1.0) for h in logs)
+    assert all(0.0 < h["dppo/token_density"] <= 1.0 for h in logs)
