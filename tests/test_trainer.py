@@ -78,18 +78,21 @@ def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir,
 
 
 def count_logprob_rows(trainer):
-    """Sequences and tokens through the model in the log-prob passes (old, ref, loss): TRL's padded calls carry
-    `labels`, packed calls `shift_labels` with `position_ids` restarting at 0 for each sequence."""
+    """Sequences and real (non-pad) tokens through the model in the log-prob passes (old, ref, loss): TRL's
+    padded calls carry `labels`; packed calls carry `shift_labels`, with `position_ids` restarting at 0 for
+    each sequence and rows ending in pad-token fillers."""
     counter = {"rows": 0, "tokens": 0}
+    pad = trainer.processing_class.pad_token_id
 
     def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
         if "labels" in kwargs:
-            counter["rows"] += kwargs["input_ids"].size(0)
+            counter["rows"] += ids.size(0)
         elif "shift_labels" in kwargs:
-            counter["rows"] += int((kwargs["position_ids"] == 0).sum())
+            counter["rows"] += int(((kwargs["position_ids"] == 0) & (ids != pad)).sum())
         else:
             return
-        counter["tokens"] += kwargs["input_ids"].numel()
+        counter["tokens"] += int((ids != pad).sum())
 
     for model in (trainer.model, trainer.ref_model):
         if model is not None:
@@ -122,7 +125,7 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
     kept = sum(int(r["dppo_keep"].sum()) for r in dppo.records)
     assert dppo.args.steps_per_generation <= kept < 16 * len(dppo.records)  # no filler rows needed here
     assert totals["dppo"][0]["rows"] == kept * 4  # old + ref + 2 loss passes, kept rows only
-    if packing:  # and not one padding token
+    if packing:  # the real tokens of kept rows, each once per pass
         real = sum(int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1))[r["dppo_keep"]].sum())
                    for r in dppo.records)
         assert totals["dppo"][0]["tokens"] == real * 4
