@@ -25,8 +25,11 @@ import json
 import math
 import os
 
+import time
+
 import torch
 from datasets import IterableDataset
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
@@ -107,6 +110,7 @@ class DPPOTrainer(GRPOTrainer):
         self._kept_lengths_per_rank: list[list[int]] = []
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = "flash" in attention
+        self.add_callback(DPPOSummaryCallback())
 
     # ------------------------------------------------------------------ hooks
     def _dppo_now(self) -> bool:
@@ -145,7 +149,8 @@ class DPPOTrainer(GRPOTrainer):
             calls, self._deferred_logp_calls = self._deferred_logp_calls, None
         if any(key in output for key in ("pixel_values", "num_images")):
             raise NotImplementedError(
-                "Completion pruning does not support multimodal batches yet; set completion_keep_rate=1.0."
+                "DPPO's training path (completion or prompt pruning, packing) does not support multimodal batches "
+                "yet; set completion_keep_rate=1.0, prompt_keep_rate=1.0 and packing=False."
             )
         keep, weights = self._draw_keep_mask(output)
         if self.args.prompt_pruning:
@@ -557,4 +562,25 @@ class _DataProgressScheduler:
 
     def __getattr__(self, name):
         return getattr(self.scheduler, name)
+
+
+class DPPOSummaryCallback(TrainerCallback):
+    """Prints one line at the end of training: steps, wall time, reward at the first and last log, and the
+    kept fractions of completions and prompts."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        logs = [h for h in state.log_history if "reward" in h]
+        parts = [f"{state.global_step} steps", f"{time.perf_counter() - getattr(self, '_start', time.perf_counter()):.0f} s"]
+        if logs:
+            parts.append(f"reward {logs[0]['reward']:.3f} (first log) -> {logs[-1]['reward']:.3f} (last log)")
+        for key, label in (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_keep_rate", "prompts accepted")):
+            values = [h[key] for h in state.log_history if key in h]
+            if values:
+                parts.append(f"{label} {sum(values) / len(values):.3f}")
+        print("DPPO summary: " + ", ".join(parts))
 

@@ -1,16 +1,19 @@
-"""`make demo` end to end, shortened: it builds, warm-starts, trains with DPPOTrainer and summarises."""
+"""`make demo` end to end, shortened: it builds and warm-starts the tiny model, then trains it through the
+CLI with recipes/cpu-demo.yaml and prints the DPPO summary."""
+
+import json
 
 import pytest
 
 from dppo_trl import demo
 
 
-@pytest.mark.parametrize("extra", [[], ["--prompt-keep-rate", "0.5"]])
-def test_demo_runs_and_summarises(tmp_path, capsys, extra):
-    trainer = demo.main(["--steps", "4", "--sft-steps", "2", "--output-dir", str(tmp_path), *extra])
+@pytest.mark.parametrize("extra", [[], ["--prompt_keep_rate", "0.5"]])
+def test_demo_runs_through_the_cli_and_summarises(tmp_path, capsys, extra):
+    demo.main(["all", str(tmp_path), "--sft-steps", "2", "--max_steps", "4", "--logging_steps", "1", *extra])
     out = capsys.readouterr().out
-    assert trainer.state.global_step == 4
-    assert "DPPO demo summary" in out and "kept fraction" in out
-    kept = [h["dppo/kept_fraction"] for h in trainer.state.log_history if "dppo/kept_fraction" in h]
-    assert kept and all(0.0 <= k <= 1.0 for k in kept)
-    assert trainer.args.prompt_keep_rate == (0.5 if extra else 1.0)
+    assert "DPPO summary: 4 steps" in out and "completions kept" in out
+    assert ("prompts accepted" in out) == bool(extra)
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    config = json.loads((tmp_path / "warm-start" / "config.json").read_text())
+    assert config["hidden_size"] == 128
