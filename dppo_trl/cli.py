@@ -106,13 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
     except ValueError as error:  # a bad value, from DPPOConfig / GRPOConfig validation
         raise SystemExit(f"dppo-trl: {error}") from None
-    if launch_args and "LOCAL_RANK" not in os.environ:
+    if launch_args and os.environ.get("DPPO_TRL_LAUNCHED") != "1":
         from accelerate.commands.launch import launch_command, launch_command_parser
         from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
         accelerate_args = launch_command_parser().parse_args(
             resolve_accelerate_config_argument(launch_args) + ["--module", "dppo_trl"] + training_argv
         )
+        os.environ["DPPO_TRL_LAUNCHED"] = "1"  # the launched processes run the training, not another launch
         launch_command(accelerate_args)
         return 0
     run(script_args, training_args, model_args, dataset_args)

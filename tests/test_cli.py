@@ -111,3 +111,32 @@ gradient_checkpointing: false
     out = tmp_path / "out"
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
     assert not (out / "model.safetensors").exists()
+
+
+def test_launch_options_start_the_run_under_accelerate(tmp_path, tiny_model_dir, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    addition_dataset(addition_pairs()[0][:16]).to_json(str(data / "train.jsonl"))
+    config = write_yaml(tmp_path / "c.yaml", f"""
+model_name_or_path: {tiny_model_dir}
+dataset_name: {data}
+reward_funcs: [tests.conftest.random_reward]
+output_dir: {tmp_path / "out"}
+num_processes: 1
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 4
+max_steps: 1
+save_strategy: "no"
+report_to: none
+bf16: false
+use_cpu: true
+gradient_checkpointing: false
+""")
+    monkeypatch.delenv("DPPO_TRL_LAUNCHED", raising=False)
+    monkeypatch.chdir(Path(__file__).parent.parent)
+    main(["--config", config, "--mixed_precision", "no"])  # a YAML launch option and a command-line one
+    import os
+
+    assert os.environ.get("DPPO_TRL_LAUNCHED") == "1"  # it went through `accelerate launch`
+    assert (tmp_path / "out" / "model.safetensors").exists()
