@@ -364,6 +364,7 @@ class DPPOTrainer(GRPOTrainer):
             weights = horvitz_thompson_weights(pi, keep)
 
         sequence_lengths = lengths + prompt_lengths
+        self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
         self._kept_lengths_per_rank = [
             sequence_lengths[r * local_rows : (r + 1) * local_rows][keep[r * local_rows : (r + 1) * local_rows]].tolist()
             for r in range(self.accelerator.num_processes)
