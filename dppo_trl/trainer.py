@@ -393,28 +393,39 @@ class DPPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _run_deferred_logps(self, output, calls, keep):
-        """Run the log-prob passes TRL deferred, on the kept rows only; other rows hold zeros."""
+        """Run the log-prob passes TRL deferred, on the kept rows only; other rows hold zeros. Every rank makes
+        the same number of forward calls per pass (one packed call, or as many padded chunks as the fullest
+        rank needs), a rank short of rows forwarding one-token fillers, so sharded models (ZeRO-3, FSDP) that
+        gather parameters in every forward stay in step."""
         rows = keep.nonzero().flatten()
-        if rows.numel() == 0:
-            return
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)[rows]
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)[rows]
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        filler_mask = torch.zeros_like(attention_mask[:1])
+        filler_mask[:, output["prompt_ids"].size(1) - 1] = 1  # one real token: the last prompt column
         logits_to_keep = output["completion_ids"].size(1)
-        batch_size = self.args.per_device_train_batch_size
+        if self.args.packing:
+            num_calls = 1
+        else:
+            most = max(len(r) for r in self._kept_lengths_per_rank)
+            num_calls = max(1, math.ceil(most / self.args.per_device_train_batch_size))
+        groups = [part for part in torch.tensor_split(rows, num_calls)]
         # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
         has_ref = int(self.beta != 0.0)
         names = ["old_per_token_logps"] * (len(calls) - has_ref) + ["ref_per_token_logps"] * has_ref
         for name, model in zip(names, calls):
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                if name == "ref_per_token_logps" and self.ref_model is None:
-                    unwrapped = self.accelerator.unwrap_model(self.model)
-                    with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                        logps = self._logps_of(self.model, input_ids, attention_mask, logits_to_keep, batch_size)
-                else:
-                    logps = self._logps_of(model, input_ids, attention_mask, logits_to_keep, batch_size)
             full = output[name]
-            full[rows] = logps.to(full.dtype)
-        if "importance_sampling_ratio" in output:
+            for group in groups:
+                ids, mask = (input_ids[group], attention_mask[group]) if group.numel() else (input_ids[:1], filler_mask)
+                with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                    if name == "ref_per_token_logps" and self.ref_model is None:
+                        unwrapped = self.accelerator.unwrap_model(self.model)
+                        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                            logps = self._logps_of(self.model, ids, mask, logits_to_keep, ids.size(0))
+                    else:
+                        logps = self._logps_of(model, ids, mask, logits_to_keep, ids.size(0))
+                if group.numel():
+                    full[group] = logps.to(full.dtype)
+        if "importance_sampling_ratio" in output:  # on every rank: it gathers metrics
             self._recompute_vllm_importance_sampling(output, rows)
 
     def _recompute_vllm_importance_sampling(self, output, rows):
