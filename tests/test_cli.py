@@ -81,31 +81,37 @@ def test_module_entry_point_help():
     assert out.returncode == 0 and "--completion_keep_rate" in out.stdout
 
 
-def test_lora_training_through_the_cli_saves_the_adapter(tmp_path, tiny_model_dir):
+def tiny_run_config(tmp_path, model_dir, extra: str) -> str:
+    """A YAML for a few CPU steps on the offline tiny model, with a local JSON dataset."""
     data = tmp_path / "data"
-    data.mkdir()
+    data.mkdir(exist_ok=True)
     addition_dataset(addition_pairs()[0][:32]).to_json(str(data / "train.jsonl"))
-    config = write_yaml(tmp_path / "lora.yaml", f"""
-model_name_or_path: {tiny_model_dir}
+    return write_yaml(tmp_path / "run.yaml", f"""
+model_name_or_path: {model_dir}
 dataset_name: {data}
 reward_funcs: [tests.conftest.random_reward]
 output_dir: {tmp_path / "out"}
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 6
+save_strategy: "no"
+report_to: none
+bf16: false
+use_cpu: true
+gradient_checkpointing: false
+{extra}""")
+
+
+def test_lora_training_through_the_cli_saves_the_adapter(tmp_path, tiny_model_dir):
+    config = tiny_run_config(tmp_path, tiny_model_dir, """
 use_peft: true
 lora_r: 4
 lora_alpha: 8
 lora_target_modules: [q_proj, v_proj]
 beta: 0.05
 completion_keep_rate: 0.5
-per_device_train_batch_size: 8
-num_generations: 4
-max_completion_length: 6
 max_steps: 2
 learning_rate: 1.0e-3
-save_strategy: "no"
-report_to: none
-bf16: false
-use_cpu: true
-gradient_checkpointing: false
 """)
     main(["--config", config])
     out = tmp_path / "out"
@@ -114,25 +120,7 @@ gradient_checkpointing: false
 
 
 def test_launch_options_start_the_run_under_accelerate(tmp_path, tiny_model_dir, monkeypatch):
-    data = tmp_path / "data"
-    data.mkdir()
-    addition_dataset(addition_pairs()[0][:16]).to_json(str(data / "train.jsonl"))
-    config = write_yaml(tmp_path / "c.yaml", f"""
-model_name_or_path: {tiny_model_dir}
-dataset_name: {data}
-reward_funcs: [tests.conftest.random_reward]
-output_dir: {tmp_path / "out"}
-num_processes: 1
-per_device_train_batch_size: 8
-num_generations: 4
-max_completion_length: 4
-max_steps: 1
-save_strategy: "no"
-report_to: none
-bf16: false
-use_cpu: true
-gradient_checkpointing: false
-""")
+    config = tiny_run_config(tmp_path, tiny_model_dir, "num_processes: 1\nmax_steps: 1\n")
     monkeypatch.delenv("DPPO_TRL_LAUNCHED", raising=False)
     monkeypatch.chdir(Path(__file__).parent.parent)
     main(["--config", config, "--mixed_precision", "no"])  # a YAML launch option and a command-line one
