@@ -17,8 +17,7 @@ N_ROWS = 6
 
 
 def make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, **extra):
-    args = cpu_config(
-        tmp_path,
+    settings = dict(
         loss_type=loss_type,
         beta=beta,
         per_device_train_batch_size=N_ROWS // spg,
@@ -29,8 +28,8 @@ def make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, 
         epsilon=0.2,
         completion_keep_rate=0.5,
         keep_floor=0.1,
-        **extra,
     )
+    args = cpu_config(tmp_path, **{**settings, **extra})
     trainer = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = spg
