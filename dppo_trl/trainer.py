@@ -12,8 +12,9 @@ pruning wired into its hooks.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled
   to the full-batch normalizer; the KL term (``beta > 0``) is weighted the same way.
 - ``_calculate_rewards``: remembers the rewards (for the ``zero_variance`` filter).
-- Prompt pruning: ``_get_train_sampler`` (the sampler), ``create_scheduler`` (a schedule that follows data
-  progress in epoch-based runs), ``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (its state).
+- Prompt pruning: ``_get_train_sampler`` (the sampler), ``create_scheduler`` (a schedule, and a progress bar,
+  that follow data progress in epoch-based runs), ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``
+  (its state).
 
 The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing`` and ``dppo_trl.prompts``; with
 ``completion_keep_rate=1.0``, ``prompt_keep_rate=1.0`` and ``packing=False`` every hook is TRL's own.
@@ -111,6 +112,8 @@ class DPPOTrainer(GRPOTrainer):
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = "flash" in attention
         self.add_callback(DPPOSummaryCallback())
+        if args.prompt_pruning and args.max_steps <= 0:
+            self.add_callback(_DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks))
 
     # ------------------------------------------------------------------ hooks
     def _dppo_now(self) -> bool:
@@ -595,4 +598,22 @@ class DPPOSummaryCallback(TrainerCallback):
             if values:
                 parts.append(f"{label} {sum(values) / len(values):.3f}")
         print("DPPO summary: " + ", ".join(parts))
+
+
+class _DataProgressBarCallback(TrainerCallback):
+    """Epoch-based runs with prompt pruning: the progress bar (planned for GRPO's step count) shows data
+    progress, the steps GRPO would have taken to walk as far through the data, so it ends full."""
+
+    def __init__(self, target_steps, callbacks):
+        self.target_steps = target_steps
+        self.callbacks = callbacks
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from transformers.trainer_callback import ProgressCallback
+
+        for callback in self.callbacks():
+            bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
+            if bar is not None:
+                bar.n = min(max(self.target_steps(), state.global_step), bar.total or bar.n)
+                bar.refresh()
 

@@ -132,8 +132,21 @@ class PromptRecorder(RecordingTrainer):
 
 
 def test_epochs_are_passes_over_the_data_in_fewer_steps(tmp_path, tiny_model_dir, small_dataset):
-    trainer = PromptRecorder(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path), train_dataset=small_dataset)
+    from transformers.trainer_callback import ProgressCallback
+
+    trainer = PromptRecorder(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, disable_tqdm=False),
+                             train_dataset=small_dataset)
+    bar_positions = []
+    progress = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback))
+    original_close = progress.on_train_end
+
+    def record_then_close(*args, **kwargs):
+        bar_positions.append((progress.training_bar.n, progress.training_bar.total))
+        return original_close(*args, **kwargs)
+
+    progress.on_train_end = record_then_close
     trainer.train()
+    assert bar_positions == [(3 * 8, 3 * 8)]  # the progress bar ends full, like GRPO's
     assert trainer._prompt_sampler.epoch == 3
     assert trainer.state.global_step < 3 * 8  # GRPO: 16 prompts / 2 per step x 3 epochs
     assert len(trainer.prompts_seen) == trainer.state.global_step
