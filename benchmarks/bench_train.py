@@ -62,14 +62,25 @@ def build(kind, model_dir, dataset, args_kwargs, max_packed_tokens=None):
     from dppo_trl import DPPOConfig, DPPOTrainer
     from dppo_trl.toy import exact_answer_reward
 
-    common = dict(output_dir=tempfile.mkdtemp(), bf16=False, use_cpu=True, report_to=[], save_strategy="no",
-                  gradient_checkpointing=False, **args_kwargs)
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        **args_kwargs,
+    )
     if kind == "grpo":
         trainer = GRPOTrainer(model_dir, exact_answer_reward, args=GRPOConfig(**common), train_dataset=dataset)
     else:
         packing = kind == "dppo+packing"
-        config = DPPOConfig(**common, completion_keep_rate=0.5, packing=packing,
-                            max_packed_tokens=max_packed_tokens if packing else None)
+        config = DPPOConfig(
+            **common,
+            completion_keep_rate=0.5,
+            packing=packing,
+            max_packed_tokens=max_packed_tokens if packing else None,
+        )
         trainer = DPPOTrainer(model_dir, exact_answer_reward, args=config, train_dataset=dataset)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
@@ -111,7 +122,9 @@ def training_phase(trainer, batch, kind):
                 for mb in microbatches
             )
         else:
-            allocated = float(keep.sum()) * ids.size(1) + sum(mb["prompt_ids"].size(0) for mb in microbatches) * ids.size(1)
+            allocated = float(keep.sum()) * ids.size(1) + sum(
+                mb["prompt_ids"].size(0) for mb in microbatches
+            ) * ids.size(1)
     for mb in microbatches:
         loss = trainer._compute_loss(trainer.model, mb)
         loss.backward()
@@ -134,8 +147,15 @@ def main(argv=None):
 
     model_dir = save_tiny_model(tempfile.mkdtemp(), hidden_size=args.hidden_size, num_layers=args.layers)
     dataset = addition_dataset(addition_pairs()[0][:64])
-    trainer_args = dict(per_device_train_batch_size=16, num_generations=8, steps_per_generation=4,
-                        gradient_accumulation_steps=4, beta=0.04, max_completion_length=256, seed=0)
+    trainer_args = dict(
+        per_device_train_batch_size=16,
+        num_generations=8,
+        steps_per_generation=4,
+        gradient_accumulation_steps=4,
+        beta=0.04,
+        max_completion_length=256,
+        seed=0,
+    )
     kinds = ["grpo", "dppo", "dppo+packing"]
     trainers = {k: build(k, model_dir, dataset, trainer_args, args.max_packed_tokens) for k in kinds}
     batch = recorded_batch(trainers["grpo"])
@@ -155,23 +175,29 @@ def main(argv=None):
     for kind in kinds:
         real, allocated = tokens[kind]
         med = statistics.median(times[kind])
-        rows.append({
-            "variant": kind,
-            "real_tokens": real,
-            "allocated_tokens": allocated,
-            "token_density": real / allocated,
-            "median_seconds": med,
-            "time_ratio_to_grpo": med / base_time,
-            "ideal_ratio": real / base_allocated,
-            "seconds": times[kind],
-        })
+        rows.append(
+            {
+                "variant": kind,
+                "real_tokens": real,
+                "allocated_tokens": allocated,
+                "token_density": real / allocated,
+                "median_seconds": med,
+                "time_ratio_to_grpo": med / base_time,
+                "ideal_ratio": real / base_allocated,
+                "seconds": times[kind],
+            }
+        )
     print(f"{'variant':<14}{'real tok':>10}{'alloc tok':>11}{'density':>9}{'median s':>10}{'ratio':>8}{'ideal':>8}")
     for r in rows:
-        print(f"{r['variant']:<14}{r['real_tokens']:>10.0f}{r['allocated_tokens']:>11.0f}{r['token_density']:>9.3f}"
-              f"{r['median_seconds']:>10.3f}{r['time_ratio_to_grpo']:>8.3f}{r['ideal_ratio']:>8.3f}")
+        print(
+            f"{r['variant']:<14}{r['real_tokens']:>10.0f}{r['allocated_tokens']:>11.0f}{r['token_density']:>9.3f}"
+            f"{r['median_seconds']:>10.3f}{r['time_ratio_to_grpo']:>8.3f}{r['ideal_ratio']:>8.3f}"
+        )
     packed = rows[-1]
-    print(f"dppo+packing: {packed['time_ratio_to_grpo'] / packed['ideal_ratio']:.2f}x the ideal ratio "
-          f"(target <= 1.10), token density {packed['token_density']:.3f} (target >= 0.98)")
+    print(
+        f"dppo+packing: {packed['time_ratio_to_grpo'] / packed['ideal_ratio']:.2f}x the ideal ratio "
+        f"(target <= 1.10), token density {packed['token_density']:.3f} (target >= 0.98)"
+    )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "trainer_args": trainer_args, "results": rows}, indent=2))

@@ -25,7 +25,9 @@ def make_parser(prog: str = "dppo-trl"):
 
     from .config import DPPOConfig
 
-    return TrlParser((GRPOScriptArguments, DPPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog, allow_abbrev=False)
+    return TrlParser(
+        (GRPOScriptArguments, DPPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog, allow_abbrev=False
+    )
 
 
 def _launch_options() -> dict[str, bool]:

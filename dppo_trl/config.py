@@ -144,8 +144,10 @@ class DPPOConfig(GRPOConfig):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
             raise ValueError(f"prompt_history_decay={decay!r} is invalid: it must be a number in [0, 1).")
         if not self.prompt_pruning:
-            for name, default in (("prompt_keep_floor", _DEFAULT_PROMPT_KEEP_FLOOR),
-                                  ("prompt_history_decay", _DEFAULT_PROMPT_HISTORY_DECAY)):
+            for name, default in (
+                ("prompt_keep_floor", _DEFAULT_PROMPT_KEEP_FLOOR),
+                ("prompt_history_decay", _DEFAULT_PROMPT_HISTORY_DECAY),
+            ):
                 if getattr(self, name) != default:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} is not used while prompt_keep_rate=1.0 (prompt pruning off)."
@@ -153,7 +155,8 @@ class DPPOConfig(GRPOConfig):
         if not isinstance(self.packing, bool):
             raise ValueError(f"packing={self.packing!r} is invalid: it must be True or False.")
         if self.max_packed_tokens is not None and (
-            isinstance(self.max_packed_tokens, bool) or not isinstance(self.max_packed_tokens, int)
+            isinstance(self.max_packed_tokens, bool)
+            or not isinstance(self.max_packed_tokens, int)
             or self.max_packed_tokens < 1
         ):
             raise ValueError(
@@ -193,9 +196,10 @@ class DPPOConfig(GRPOConfig):
         # Terms that are not a sum of per-row contributions cannot be reweighted row by row.
         if self.top_entropy_quantile < 1.0:
             raise ValueError(
-                f"top_entropy_quantile={self.top_entropy_quantile!r} cannot be combined with completion pruning or packing: "
-                "the entropy quantile is taken over the micro-batch, so it changes with the kept rows and the "
-                "estimate would be biased. Use top_entropy_quantile=1.0, or completion_keep_rate=1.0 with packing=False."
+                f"top_entropy_quantile={self.top_entropy_quantile!r} cannot be combined with completion pruning or "
+                "packing: the entropy quantile is taken over the micro-batch, so it changes with the kept rows and "
+                "the estimate would be biased. Use top_entropy_quantile=1.0, or completion_keep_rate=1.0 with "
+                "packing=False."
             )
         if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             raise ValueError(

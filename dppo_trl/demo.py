@@ -52,13 +52,19 @@ def main(argv=None):
         from .cli import main as cli_main
 
         directory = Path(args.directory)
-        cli_main([
-            "--config", str(RECIPE),
-            "--model_name_or_path", str(directory / "warm-start"),
-            "--dataset_name", str(directory / "data"),
-            "--output_dir", str(directory / "run"),
-            *dppo_args,
-        ])
+        cli_main(
+            [
+                "--config",
+                str(RECIPE),
+                "--model_name_or_path",
+                str(directory / "warm-start"),
+                "--dataset_name",
+                str(directory / "data"),
+                "--output_dir",
+                str(directory / "run"),
+                *dppo_args,
+            ]
+        )
 
 
 if __name__ == "__main__":

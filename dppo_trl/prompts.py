@@ -114,15 +114,17 @@ class PromptPruningSampler(Sampler[int]):
             prompts = accepted[start : start + size]
             # Candidates this batch walked past (accepted or not); the last batch also takes the epoch's tail.
             end = accepted_at[start + size - 1] + 1 if start + 2 * size <= len(accepted) else len(order)
-            plan.append({
-                "number": self.batches_planned,
-                "epoch": self.epoch,
-                "prompts": prompts,
-                "weights": [q_bar / float(q[i]) for i in prompts],
-                "q_bar": q_bar,
-                "accepted_fraction": len(accepted) / max(len(order), 1),
-                "walked": end - walked,
-            })
+            plan.append(
+                {
+                    "number": self.batches_planned,
+                    "epoch": self.epoch,
+                    "prompts": prompts,
+                    "weights": [q_bar / float(q[i]) for i in prompts],
+                    "q_bar": q_bar,
+                    "accepted_fraction": len(accepted) / max(len(order), 1),
+                    "walked": end - walked,
+                }
+            )
             walked = end
             self.batches_planned += 1
         self.epoch += 1
@@ -151,7 +153,9 @@ class PromptPruningSampler(Sampler[int]):
             yield from self._expand(batch["prompts"])
 
     def __len__(self) -> int:
-        return (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.group_size * self.repeat_count
+        return (
+            (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.group_size * self.repeat_count
+        )
 
     def pop_decision(self, number: int) -> dict:
         """The planned batch ``number`` (its prompts and weights); older ones are forgotten."""

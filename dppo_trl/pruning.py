@@ -182,7 +182,9 @@ def full_batch_normalizer(
     if loss_type == "dr_grpo":
         return float(rows_per_microbatch * max_completion_length * accumulation_steps)
     if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
-        return max(float(loss_tokens_in_generation_batch), 1.0) / num_processes * accumulation_steps / steps_per_generation
+        return (
+            max(float(loss_tokens_in_generation_batch), 1.0) / num_processes * accumulation_steps / steps_per_generation
+        )
     raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {SUPPORTED_LOSS_TYPES}")
 
 
@@ -202,8 +204,13 @@ def trl_microbatch_normalizer(
         return max(float(loss_tokens_in_microbatch), 1.0) * accumulation_steps
     # The other types count the micro-batch's rows where the full-batch normalizer counts a full micro-batch.
     return full_batch_normalizer(
-        loss_type, rows_in_microbatch, max_completion_length, loss_tokens_in_generation_batch,
-        num_processes, steps_per_generation, accumulation_steps,
+        loss_type,
+        rows_in_microbatch,
+        max_completion_length,
+        loss_tokens_in_generation_batch,
+        num_processes,
+        steps_per_generation,
+        accumulation_steps,
     )
 
 

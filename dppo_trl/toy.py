@@ -94,7 +94,9 @@ def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 
-def supervised_warm_start(model, tokenizer, pairs, steps: int = 200, batch_size: int = 256, lr: float = 1e-3, seed: int = 0):
+def supervised_warm_start(
+    model, tokenizer, pairs, steps: int = 200, batch_size: int = 256, lr: float = 1e-3, seed: int = 0
+):
     """Plain next-token training on ``"a+b=" + answer + eos`` (loss on the answer only)."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -124,7 +126,13 @@ def sampled_accuracy(model, tokenizer, pairs, greedy: bool = True, max_new_token
     pairs = pairs[:limit]
     prompts = [f"{a}+{b}=" for a, b in pairs]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=1.0 if not greedy else None,
-                         top_p=None, top_k=None)
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1):], skip_special_tokens=True)
+    out = model.generate(
+        **enc,
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=1.0 if not greedy else None,
+        top_p=None,
+        top_k=None,
+    )
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
     return sum(t.strip() == str(a + b) for t, (a, b) in zip(texts, pairs)) / max(len(pairs), 1)

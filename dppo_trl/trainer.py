@@ -113,7 +113,9 @@ class DPPOTrainer(GRPOTrainer):
         self._varlen_attention = "flash" in attention
         self.add_callback(DPPOSummaryCallback())
         if args.prompt_pruning and args.max_steps <= 0:
-            self.add_callback(_DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks))
+            self.add_callback(
+                _DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks)
+            )
 
     # ------------------------------------------------------------------ hooks
     def _dppo_now(self) -> bool:
@@ -242,8 +244,14 @@ class DPPOTrainer(GRPOTrainer):
         if self._prompt_sampler is not None and self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             with open(os.path.join(folder, self._PROMPT_STATE_FILE), "w") as f:
-                json.dump({"sampler": self._prompt_sampler.state_dict(), "next_batch": self._next_prompt_batch,
-                           "prompts_walked": self._prompts_walked}, f)
+                json.dump(
+                    {
+                        "sampler": self._prompt_sampler.state_dict(),
+                        "next_batch": self._next_prompt_batch,
+                        "prompts_walked": self._prompts_walked,
+                    },
+                    f,
+                )
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -286,7 +294,9 @@ class DPPOTrainer(GRPOTrainer):
         finally:
             self.beta = beta
             captured, self._captured_logps = self._captured_logps, None
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = (
+            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        )
         norm_args = dict(
             max_completion_length=self.max_completion_length,
             loss_tokens_in_generation_batch=float(inputs["num_items_in_batch"]),
@@ -338,7 +348,9 @@ class DPPOTrainer(GRPOTrainer):
         advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
         if advantages.dim() > 1:
             advantages = advantages.abs().amax(dim=1)
-        loss_mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        loss_mask = (
+            output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        )
         lengths = self.accelerator.gather(output["completion_mask"].sum(1)).cpu()
         prompt_lengths = self.accelerator.gather(output["prompt_mask"].sum(1)).cpu()
         loss_tokens = self.accelerator.gather(loss_mask.sum(1)).cpu()
@@ -351,7 +363,9 @@ class DPPOTrainer(GRPOTrainer):
             keep = topk_mask(advantages, rate)
             weights = keep.double()
         elif design == "zero_variance":
-            rewards = (self._last_rewards_per_func * self.reward_weights.to(self._last_rewards_per_func.device)).nansum(1)
+            rewards = (self._last_rewards_per_func * self.reward_weights.to(self._last_rewards_per_func.device)).nansum(
+                1
+            )
             rewards[torch.isnan(self._last_rewards_per_func).all(dim=1)] = torch.nan
             keep = zero_variance_mask(rewards.cpu(), self.num_generations)
             weights = keep.double()
@@ -359,7 +373,10 @@ class DPPOTrainer(GRPOTrainer):
             # A row with A == 0 contributes exactly zero unless a term without A (the KL) is on; a row without
             # loss tokens (e.g. masked as truncated) contributes nothing at all.
             pi, _ = keep_probabilities(
-                advantages, rate, self.args.keep_floor, zero_score_contributes=self.beta != 0.0,
+                advantages,
+                rate,
+                self.args.keep_floor,
+                zero_score_contributes=self.beta != 0.0,
                 contributes_nothing=loss_tokens == 0,
             )
             sample = systematic_sample if design == "systematic" else poisson_sample
@@ -369,7 +386,9 @@ class DPPOTrainer(GRPOTrainer):
         sequence_lengths = lengths + prompt_lengths
         self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
         self._kept_lengths_per_rank = [
-            sequence_lengths[r * local_rows : (r + 1) * local_rows][keep[r * local_rows : (r + 1) * local_rows]].tolist()
+            sequence_lengths[r * local_rows : (r + 1) * local_rows][
+                keep[r * local_rows : (r + 1) * local_rows]
+            ].tolist()
             for r in range(self.accelerator.num_processes)
         ]
         if self.args.completion_pruning:
@@ -434,11 +453,17 @@ class DPPOTrainer(GRPOTrainer):
     def _recompute_vllm_importance_sampling(self, output, rows):
         """TRL built the vLLM IS ratio (and its ``sampling/*`` metrics) from the deferred placeholder: rebuild
         both from the real old-policy log-probs of the forwarded rows."""
-        mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        mask = (
+            output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        )
         old, sampled, mask = output["old_per_token_logps"][rows], output["sampling_per_token_logps"][rows], mask[rows]
         ratio = vllm_importance_sampling_ratio(
-            old, sampled, mask, self.vllm_importance_sampling_mode,
-            self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max,
+            old,
+            sampled,
+            mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
         )
         output["importance_sampling_ratio"][rows] = ratio.to(output["importance_sampling_ratio"].dtype)
         scored = mask.bool() & ~torch.isnan(sampled)
@@ -448,7 +473,10 @@ class DPPOTrainer(GRPOTrainer):
             "sampling/sampling_logp_difference/mean": (delta.mean() if delta.numel() else delta.new_zeros(()), "mean"),
             "sampling/sampling_logp_difference/max": (delta.max() if delta.numel() else delta.new_zeros(()), "max"),
             "sampling/importance_sampling_ratio/min": (ratios.min() if ratios.numel() else ratios.new_zeros(()), "min"),
-            "sampling/importance_sampling_ratio/mean": (ratios.mean() if ratios.numel() else ratios.new_zeros(()), "mean"),
+            "sampling/importance_sampling_ratio/mean": (
+                ratios.mean() if ratios.numel() else ratios.new_zeros(()),
+                "mean",
+            ),
             "sampling/importance_sampling_ratio/max": (ratios.max() if ratios.numel() else ratios.new_zeros(()), "max"),
         }
         for name, (value, reduce) in values.items():
@@ -525,16 +553,22 @@ class DPPOTrainer(GRPOTrainer):
         for rows, size in zip(bins, sizes):
             mb = select_rows(batch, torch.tensor(rows, dtype=torch.long))
             if size > len(rows):
-                fill = {k: (v.expand(size - len(rows), *v.shape[1:]) if isinstance(v, torch.Tensor) and v.ndim else v)
-                        for k, v in filler.items()}
-                mb = {k: (torch.cat([mb[k], fill[k]]) if isinstance(mb[k], torch.Tensor) and mb[k].ndim else mb[k])
-                      for k in mb}
+                fill = {
+                    k: (v.expand(size - len(rows), *v.shape[1:]) if isinstance(v, torch.Tensor) and v.ndim else v)
+                    for k, v in filler.items()
+                }
+                mb = {
+                    k: (torch.cat([mb[k], fill[k]]) if isinstance(mb[k], torch.Tensor) and mb[k].ndim else mb[k])
+                    for k in mb
+                }
             microbatches.append(mb)
             tokens = float(sum(lengths[i] for i in rows))
             tokens_per_mb.append(tokens)
             real += tokens
             fillers = [1] * (size - len(rows))  # a filler row forwards one token
-            allocated += packed_allocation([lengths[i] for i in rows] + fillers, budget) if self.args.packing else size * width
+            allocated += (
+                packed_allocation([lengths[i] for i in rows] + fillers, budget) if self.args.packing else size * width
+            )
         stats = torch.tensor([real, allocated, max(tokens_per_mb), sum(tokens_per_mb) / spg])
         stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
         metrics = self._metrics["train"]
@@ -590,7 +624,10 @@ class DPPOSummaryCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         logs = [h for h in state.log_history if "reward" in h]
-        parts = [f"{state.global_step} steps", f"{time.perf_counter() - getattr(self, '_start', time.perf_counter()):.0f} s"]
+        parts = [
+            f"{state.global_step} steps",
+            f"{time.perf_counter() - getattr(self, '_start', time.perf_counter()):.0f} s",
+        ]
         if logs:
             parts.append(f"reward {logs[0]['reward']:.3f} (first log) -> {logs[-1]['reward']:.3f} (last log)")
         for key, label in (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_keep_rate", "prompts accepted")):
@@ -616,4 +653,3 @@ class _DataProgressBarCallback(TrainerCallback):
             if bar is not None:
                 bar.n = min(max(self.target_steps(), state.global_step), bar.total or bar.n)
                 bar.refresh()
-

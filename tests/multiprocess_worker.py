@@ -24,8 +24,16 @@ class Worker(DPPOTrainer):
 
 
 def main(model_dir, out_dir, sampling, rate):
-    args = cpu_config(Path(out_dir), max_steps=4, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2,
-                      num_iterations=2, completion_keep_rate=float(rate), prune_sampling=sampling)
+    args = cpu_config(
+        Path(out_dir),
+        max_steps=4,
+        beta=0.05,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        completion_keep_rate=float(rate),
+        prune_sampling=sampling,
+    )
     trainer = Worker(model_dir, random_reward, args=args, train_dataset=addition_dataset(addition_pairs()[0][:64]))
     trainer.train()
     params = [p.detach().double() for p in trainer.model.parameters()]

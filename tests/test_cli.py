@@ -16,8 +16,12 @@ CPU = ["--bf16", "false", "--use_cpu", "true"]  # the GPU recipes ask for bf16, 
 
 
 def test_there_are_the_four_recipes():
-    assert {r.name for r in RECIPES} >= {"qwen3-4b-math-lora.yaml", "qwen3-4b-math.yaml", "qwen2.5-math-1.5b.yaml",
-                                         "cpu-demo.yaml"}
+    assert {r.name for r in RECIPES} >= {
+        "qwen3-4b-math-lora.yaml",
+        "qwen3-4b-math.yaml",
+        "qwen2.5-math-1.5b.yaml",
+        "cpu-demo.yaml",
+    }
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -52,15 +56,20 @@ def test_unknown_flag_is_refused_not_abbreviated(tmp_path):
 
 
 def test_bad_value_stops_before_anything_is_loaded(tmp_path):
-    config = write_yaml(tmp_path / "c.yaml", "completion_keep_rate: 2\nuse_cpu: true\nbf16: false\n"
-                        "model_name_or_path: /nonexistent/model\n")
+    config = write_yaml(
+        tmp_path / "c.yaml",
+        "completion_keep_rate: 2\nuse_cpu: true\nbf16: false\nmodel_name_or_path: /nonexistent/model\n",
+    )
     with pytest.raises(SystemExit, match=r"completion_keep_rate=2 is invalid.*\(0, 1\]"):
         main(["--config", config])
 
 
 def test_flags_override_yaml(tmp_path):
-    config = write_yaml(tmp_path / "c.yaml", "learning_rate: 1.0e-4\ncompletion_keep_rate: 0.5\nuse_cpu: true\n"
-                        "bf16: false\nenv:\n  DPPO_TEST_ENV: set-by-yaml\n")
+    config = write_yaml(
+        tmp_path / "c.yaml",
+        "learning_rate: 1.0e-4\ncompletion_keep_rate: 0.5\nuse_cpu: true\n"
+        "bf16: false\nenv:\n  DPPO_TEST_ENV: set-by-yaml\n",
+    )
     _, training_args, *_ = parse(["--config", config, "--learning_rate", "3e-4", "--completion_keep_rate", "0.25"])
     assert training_args.learning_rate == 3e-4 and training_args.completion_keep_rate == 0.25
     import os
@@ -70,8 +79,17 @@ def test_flags_override_yaml(tmp_path):
 
 def test_help_lists_the_dppo_options():
     text = make_parser().format_help()
-    for name in ["completion_keep_rate", "keep_floor", "prune_sampling", "prune_seed", "packing",
-                 "max_packed_tokens", "prompt_keep_rate", "prompt_keep_floor", "prompt_history_decay"]:
+    for name in [
+        "completion_keep_rate",
+        "keep_floor",
+        "prune_sampling",
+        "prune_seed",
+        "packing",
+        "max_packed_tokens",
+        "prompt_keep_rate",
+        "prompt_keep_floor",
+        "prompt_history_decay",
+    ]:
         assert f"--{name}" in text, name
     assert "Horvitz" in text or "1/pi" in text  # the help text itself, not just the flag
 
@@ -86,7 +104,9 @@ def tiny_run_config(tmp_path, model_dir, extra: str) -> str:
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     addition_dataset(addition_pairs()[0][:32]).to_json(str(data / "train.jsonl"))
-    return write_yaml(tmp_path / "run.yaml", f"""
+    return write_yaml(
+        tmp_path / "run.yaml",
+        f"""
 model_name_or_path: {model_dir}
 dataset_name: {data}
 reward_funcs: [tests.conftest.random_reward]
@@ -99,11 +119,15 @@ report_to: none
 bf16: false
 use_cpu: true
 gradient_checkpointing: false
-{extra}""")
+{extra}""",
+    )
 
 
 def test_lora_training_through_the_cli_saves_the_adapter(tmp_path, tiny_model_dir):
-    config = tiny_run_config(tmp_path, tiny_model_dir, """
+    config = tiny_run_config(
+        tmp_path,
+        tiny_model_dir,
+        """
 use_peft: true
 lora_r: 4
 lora_alpha: 8
@@ -112,7 +136,8 @@ beta: 0.05
 completion_keep_rate: 0.5
 max_steps: 2
 learning_rate: 1.0e-3
-""")
+""",
+    )
     main(["--config", config])
     out = tmp_path / "out"
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()

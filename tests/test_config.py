@@ -10,8 +10,15 @@ from dppo_trl import DPPOConfig
 BASE = dict(output_dir="unused", bf16=False, use_cpu=True, report_to=[])
 
 DPPO_FIELDS = {
-    "completion_keep_rate", "keep_floor", "prune_sampling", "prune_seed", "packing", "max_packed_tokens",
-    "prompt_keep_rate", "prompt_keep_floor", "prompt_history_decay",
+    "completion_keep_rate",
+    "keep_floor",
+    "prune_sampling",
+    "prune_seed",
+    "packing",
+    "max_packed_tokens",
+    "prompt_keep_rate",
+    "prompt_keep_floor",
+    "prompt_history_decay",
 }
 
 
@@ -21,7 +28,7 @@ def make(**kwargs):
 
 def test_fields_are_documented_and_subclass_grpo():
     assert issubclass(DPPOConfig, GRPOConfig)
-    own = {f.name: f for f in dataclasses.fields(DPPOConfig)} .keys() - {f.name for f in dataclasses.fields(GRPOConfig)}
+    own = {f.name: f for f in dataclasses.fields(DPPOConfig)}.keys() - {f.name for f in dataclasses.fields(GRPOConfig)}
     assert own == DPPO_FIELDS
     for f in dataclasses.fields(DPPOConfig):
         if f.name in DPPO_FIELDS:
@@ -30,7 +37,12 @@ def test_fields_are_documented_and_subclass_grpo():
 
 def test_defaults():
     cfg = make()
-    assert (cfg.completion_keep_rate, cfg.keep_floor, cfg.prune_sampling, cfg.prune_seed) == (0.5, 0.05, "systematic", None)
+    assert (cfg.completion_keep_rate, cfg.keep_floor, cfg.prune_sampling, cfg.prune_seed) == (
+        0.5,
+        0.05,
+        "systematic",
+        None,
+    )
     assert cfg.completion_pruning
     assert not make(completion_keep_rate=1.0).completion_pruning
     assert make(completion_keep_rate=1.0, prune_sampling="zero_variance").completion_pruning

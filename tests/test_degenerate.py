@@ -11,8 +11,15 @@ from dppo_trl.pruning import horvitz_thompson_weights, keep_probabilities
 
 
 def test_every_completion_truncated_and_masked_still_steps(tmp_path, tiny_model_dir, train_dataset):
-    args = cpu_config(tmp_path, max_steps=2, max_completion_length=1, mask_truncated_completions=True, beta=0.05,
-                      steps_per_generation=2, gradient_accumulation_steps=2)
+    args = cpu_config(
+        tmp_path,
+        max_steps=2,
+        max_completion_length=1,
+        mask_truncated_completions=True,
+        beta=0.05,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+    )
     trainer = RecordingTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
     trainer.train()
     assert all(r["completion_mask"].sum() == 0 for r in trainer.records)  # nothing left to learn from

@@ -19,7 +19,9 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, sampling, rate):
     assert torchrun, "torchrun comes with torch"
     run = subprocess.run(
         [torchrun, "--nproc_per_node", "2", str(WORKER), tiny_model_dir, str(tmp_path), sampling, rate],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

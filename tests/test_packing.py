@@ -93,7 +93,9 @@ def _padded_and_packed(trainer, batch):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].size(1)
-    padded = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, width, compute_entropy=True)
+    padded = GRPOTrainer._get_per_token_logps_and_entropies(
+        trainer, trainer.model, ids, mask, width, compute_entropy=True
+    )
     packed = trainer._packed_logps_and_entropies(trainer.model, ids, mask, width, compute_entropy=True)
     return padded, packed
 
@@ -146,10 +148,19 @@ def test_packed_loss_and_gradient_equal_padded(tmp_path, tiny_model_dir, train_d
 
 def test_fewer_kept_rows_than_micro_steps(tmp_path, tiny_model_dir, train_dataset):
     trainer = RecordingTrainer(
-        tiny_model_dir, random_reward, train_dataset=train_dataset,
-        args=cpu_config(tmp_path, max_steps=2, steps_per_generation=4, gradient_accumulation_steps=4,
-                        per_device_train_batch_size=4, num_generations=4, completion_keep_rate=0.05,
-                        prune_sampling="topk"),
+        tiny_model_dir,
+        random_reward,
+        train_dataset=train_dataset,
+        args=cpu_config(
+            tmp_path,
+            max_steps=2,
+            steps_per_generation=4,
+            gradient_accumulation_steps=4,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            completion_keep_rate=0.05,
+            prune_sampling="topk",
+        ),
     )
     trainer.train()
     assert all(int(r["dppo_keep"].sum()) == 1 for r in trainer.records)
@@ -158,7 +169,9 @@ def test_fewer_kept_rows_than_micro_steps(tmp_path, tiny_model_dir, train_datase
 
 def test_a_sequence_longer_than_the_budget_gets_a_row_of_its_own(tmp_path, tiny_model_dir, train_dataset):
     trainer = RecordingTrainer(
-        tiny_model_dir, random_reward, train_dataset=train_dataset,
+        tiny_model_dir,
+        random_reward,
+        train_dataset=train_dataset,
         args=cpu_config(tmp_path, max_steps=2, max_packed_tokens=3, beta=0.05),
     )
     trainer.train()

@@ -36,8 +36,17 @@ def test_acceptance_is_one_for_unseen_prompts_and_calibrated_on_seen_ones():
 
 
 def make_sampler(n=6, batch=1, **kwargs):
-    args = dict(num_prompts=n, group_size=2, prompts_per_batch=batch, repeat_count=1, keep_rate=0.5,
-                keep_floor=0.1, history_decay=0.0, seed=3, accept_seed=4)
+    args = dict(
+        num_prompts=n,
+        group_size=2,
+        prompts_per_batch=batch,
+        repeat_count=1,
+        keep_rate=0.5,
+        keep_floor=0.1,
+        history_decay=0.0,
+        seed=3,
+        accept_seed=4,
+    )
     args.update(kwargs)
     return PromptPruningSampler(**args)
 
@@ -119,8 +128,14 @@ def small_dataset():
 
 
 def prompt_config(tmp_path, **kwargs):
-    base = dict(prompt_keep_rate=0.5, max_steps=-1, num_train_epochs=3, per_device_train_batch_size=8,
-                num_generations=4, lr_scheduler_type="linear")
+    base = dict(
+        prompt_keep_rate=0.5,
+        max_steps=-1,
+        num_train_epochs=3,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        lr_scheduler_type="linear",
+    )
     base.update(kwargs)
     return cpu_config(tmp_path, **base)
 
@@ -134,8 +149,9 @@ class PromptRecorder(RecordingTrainer):
 def test_epochs_are_passes_over_the_data_in_fewer_steps(tmp_path, tiny_model_dir, small_dataset):
     from transformers.trainer_callback import ProgressCallback
 
-    trainer = PromptRecorder(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, disable_tqdm=False),
-                             train_dataset=small_dataset)
+    trainer = PromptRecorder(
+        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, disable_tqdm=False), train_dataset=small_dataset
+    )
     bar_positions = []
     progress = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback))
     original_close = progress.on_train_end
@@ -181,17 +197,24 @@ class StopAt(TrainerCallback):
 
 
 def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_model_dir, small_dataset):
-    whole = PromptRecorder(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "whole"),
-                           train_dataset=small_dataset)
+    whole = PromptRecorder(
+        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "whole"), train_dataset=small_dataset
+    )
     whole.train()
     stop = 10  # inside the second (pruned) epoch
     assert whole.state.global_step > stop
-    first = PromptRecorder(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "split"),
-                           train_dataset=small_dataset, callbacks=[StopAt(stop)])
+    first = PromptRecorder(
+        tiny_model_dir,
+        coarse_reward,
+        args=prompt_config(tmp_path / "split"),
+        train_dataset=small_dataset,
+        callbacks=[StopAt(stop)],
+    )
     first.train()
     assert first.state.global_step == stop
-    second = PromptRecorder(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "split"),
-                            train_dataset=small_dataset)
+    second = PromptRecorder(
+        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "split"), train_dataset=small_dataset
+    )
     second.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / f"checkpoint-{stop}"))
     assert first.prompts_seen + second.prompts_seen == whole.prompts_seen
     assert second.state.global_step == whole.state.global_step
@@ -219,5 +242,9 @@ def test_bad_prompt_values_name_the_field(kwargs, field):
 
 def test_streaming_datasets_are_refused(tmp_path, tiny_model_dir, small_dataset):
     with pytest.raises(ValueError, match="prompt_keep_rate"):
-        DPPOTrainer(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, max_steps=2),
-                    train_dataset=small_dataset.to_iterable_dataset())
+        DPPOTrainer(
+            tiny_model_dir,
+            coarse_reward,
+            args=prompt_config(tmp_path, max_steps=2),
+            train_dataset=small_dataset.to_iterable_dataset(),
+        )

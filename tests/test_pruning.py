@@ -173,8 +173,13 @@ def test_weights_and_ess():
 def test_normalizers_agree_when_nothing_is_pruned(loss_type):
     # With full micro-batches (and, for bnpo, a micro-batch holding its share of tokens) TRL's normalizer is
     # the full-batch one.
-    args = dict(max_completion_length=16, loss_tokens_in_generation_batch=800.0, num_processes=2,
-                steps_per_generation=4, accumulation_steps=2)
+    args = dict(
+        max_completion_length=16,
+        loss_tokens_in_generation_batch=800.0,
+        num_processes=2,
+        steps_per_generation=4,
+        accumulation_steps=2,
+    )
     full = full_batch_normalizer(loss_type, 8, **args)
     trl = trl_microbatch_normalizer(loss_type, 8, 100.0, **args)
     assert trl == pytest.approx(full)

@@ -18,8 +18,18 @@ class RecordingTrainer(DPPOTrainer):
         out = super()._generate_and_score_completions(inputs)
         if self.model.training:
             self.__dict__.setdefault("records", []).append(
-                {k: out[k].detach().clone() for k in ("completion_ids", "prompt_mask", "completion_mask", "advantages", "dppo_keep", "dppo_weight")
-                 if k in out}
+                {
+                    k: out[k].detach().clone()
+                    for k in (
+                        "completion_ids",
+                        "prompt_mask",
+                        "completion_mask",
+                        "advantages",
+                        "dppo_keep",
+                        "dppo_weight",
+                    )
+                    if k in out
+                }
             )
         return out
 
@@ -42,8 +52,9 @@ def train(cls, tmp_path, model_dir, dataset, reward=random_reward, config_cls=DP
 def test_keep_rate_one_without_packing_is_exactly_grpo(tmp_path, tiny_model_dir, train_dataset):
     common = dict(max_steps=3, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2)
     grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
-    dppo = train(DPPOTrainer, tmp_path / "d", tiny_model_dir, train_dataset, completion_keep_rate=1.0,
-                 packing=False, **common)
+    dppo = train(
+        DPPOTrainer, tmp_path / "d", tiny_model_dir, train_dataset, completion_keep_rate=1.0, packing=False, **common
+    )
     assert losses_of(grpo) == losses_of(dppo)
     for name, p in params_of(grpo).items():
         assert torch.equal(p, params_of(dppo)[name]), name
@@ -51,11 +62,24 @@ def test_keep_rate_one_without_packing_is_exactly_grpo(tmp_path, tiny_model_dir,
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "cispo"])
 def test_packing_without_pruning_trains_like_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
-    common = dict(max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2,
-                  gradient_accumulation_steps=2, num_iterations=2)
+    common = dict(
+        max_steps=4,
+        beta=0.05,
+        loss_type=loss_type,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+    )
     grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
-    dppo = train(RecordingTrainer, tmp_path / "d", tiny_model_dir, train_dataset, completion_keep_rate=1.0,
-                 packing=True, **common)
+    dppo = train(
+        RecordingTrainer,
+        tmp_path / "d",
+        tiny_model_dir,
+        train_dataset,
+        completion_keep_rate=1.0,
+        packing=True,
+        **common,
+    )
     assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
     assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-6)
     for name, p in params_of(grpo).items():
@@ -66,11 +90,24 @@ def test_packing_without_pruning_trains_like_grpo(tmp_path, tiny_model_dir, trai
 def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
     """keep_floor=1 makes every pi = 1: the deferred old/ref passes, the kept-row split, the weighted advantages,
     the normalizer rescale and the separate KL term must then reproduce GRPOTrainer step for step."""
-    common = dict(max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2,
-                  gradient_accumulation_steps=2, num_iterations=2)
+    common = dict(
+        max_steps=4,
+        beta=0.05,
+        loss_type=loss_type,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+    )
     grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
-    dppo = train(RecordingTrainer, tmp_path / "d", tiny_model_dir, train_dataset,
-                 completion_keep_rate=0.5, keep_floor=1.0, **common)
+    dppo = train(
+        RecordingTrainer,
+        tmp_path / "d",
+        tiny_model_dir,
+        train_dataset,
+        completion_keep_rate=0.5,
+        keep_floor=1.0,
+        **common,
+    )
     assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
     assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-6)
     for name, p in params_of(grpo).items():
@@ -102,8 +139,15 @@ def count_logprob_rows(trainer):
 
 @pytest.mark.parametrize("use_peft,packing", [(False, False), (True, False), (False, True), (True, True)])
 def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft, packing):
-    kwargs = dict(max_steps=2, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2,
-                  per_device_train_batch_size=8, num_generations=4)
+    kwargs = dict(
+        max_steps=2,
+        beta=0.05,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        per_device_train_batch_size=8,
+        num_generations=4,
+    )
     peft_config = None
     if use_peft:
         from peft import LoraConfig
@@ -126,18 +170,27 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
     assert dppo.args.steps_per_generation <= kept < 16 * len(dppo.records)  # no filler rows needed here
     assert totals["dppo"][0]["rows"] == kept * 4  # old + ref + 2 loss passes, kept rows only
     if packing:  # the real tokens of kept rows, each once per pass
-        real = sum(int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1))[r["dppo_keep"]].sum())
-                   for r in dppo.records)
+        real = sum(
+            int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1))[r["dppo_keep"]].sum()) for r in dppo.records
+        )
         assert totals["dppo"][0]["tokens"] == real * 4
 
 
 def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_model_dir, train_dataset):
     from peft import LoraConfig
 
-    args = cpu_config(tmp_path, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2,
-                      completion_keep_rate=0.5)
+    args = cpu_config(
+        tmp_path,
+        beta=0.05,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        completion_keep_rate=0.5,
+    )
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=peft_config)
+    trainer = DPPOTrainer(
+        tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=peft_config
+    )
     with torch.no_grad():  # make the adapter non-trivial so that policy != reference
         for name, p in trainer.model.named_parameters():
             if "lora_B" in name:
@@ -185,9 +238,18 @@ def test_a_batch_with_nothing_kept_still_steps(tmp_path, tiny_model_dir, train_d
 def test_metrics_reach_the_logs(tmp_path, tiny_model_dir, train_dataset):
     trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=1)
     logged = trainer.state.log_history[0]
-    for key in ["dppo/kept_fraction", "dppo/kept_prompt_fraction", "dppo/kept_token_fraction", "dppo/ess",
-                "dppo/weight_max", "dppo/token_density", "dppo/microbatch_imbalance",
-                "dppo/zero_advantage_fraction", "dppo/compute_saved", "dppo/expected_keep_fraction"]:
+    for key in [
+        "dppo/kept_fraction",
+        "dppo/kept_prompt_fraction",
+        "dppo/kept_token_fraction",
+        "dppo/ess",
+        "dppo/weight_max",
+        "dppo/token_density",
+        "dppo/microbatch_imbalance",
+        "dppo/zero_advantage_fraction",
+        "dppo/compute_saved",
+        "dppo/expected_keep_fraction",
+    ]:
         assert key in logged, key
     assert logged["dppo/expected_keep_fraction"] == pytest.approx(0.5)
     assert 0.0 < logged["dppo/kept_fraction"] < 1.0
@@ -201,9 +263,20 @@ def test_same_seed_reproduces_masks_and_losses(tmp_path, tiny_model_dir, train_d
 
 
 def test_prune_seed_changes_only_the_masks(tmp_path, tiny_model_dir, train_dataset):
-    runs = [train(RecordingTrainer, tmp_path / str(s), tiny_model_dir, train_dataset, max_steps=1, prune_seed=s,
-                  per_device_train_batch_size=16, num_generations=4, prune_sampling="poisson")
-            for s in (1, 2)]
+    runs = [
+        train(
+            RecordingTrainer,
+            tmp_path / str(s),
+            tiny_model_dir,
+            train_dataset,
+            max_steps=1,
+            prune_seed=s,
+            per_device_train_batch_size=16,
+            num_generations=4,
+            prune_sampling="poisson",
+        )
+        for s in (1, 2)
+    ]
     first = [r.records[0] for r in runs]
     assert torch.equal(first[0]["completion_ids"], first[1]["completion_ids"])
     assert torch.equal(first[0]["advantages"], first[1]["advantages"])
@@ -211,8 +284,15 @@ def test_prune_seed_changes_only_the_masks(tmp_path, tiny_model_dir, train_datas
 
 
 def test_topk_keeps_the_largest_advantages_unweighted(tmp_path, tiny_model_dir, train_dataset):
-    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, prune_sampling="topk",
-                    completion_keep_rate=0.25)
+    trainer = train(
+        RecordingTrainer,
+        tmp_path,
+        tiny_model_dir,
+        train_dataset,
+        max_steps=2,
+        prune_sampling="topk",
+        completion_keep_rate=0.25,
+    )
     for r in trainer.records:
         keep, adv = r["dppo_keep"], r["advantages"].abs()
         assert int(keep.sum()) == 2
@@ -224,8 +304,15 @@ def test_zero_variance_drops_exactly_the_equal_reward_groups(tmp_path, tiny_mode
     def coarse_reward(completions, **kwargs):  # often equal inside a group of 4
         return [float(len(c) > 3) for c in completions]
 
-    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, reward=coarse_reward, max_steps=3,
-                    prune_sampling="zero_variance")
+    trainer = train(
+        RecordingTrainer,
+        tmp_path,
+        tiny_model_dir,
+        train_dataset,
+        reward=coarse_reward,
+        max_steps=3,
+        prune_sampling="zero_variance",
+    )
     seen_dropped = False
     for r in trainer.records:
         groups_keep = r["dppo_keep"].view(-1, 4)
@@ -237,8 +324,16 @@ def test_zero_variance_drops_exactly_the_equal_reward_groups(tmp_path, tiny_mode
 
 
 def test_rows_without_loss_tokens_are_never_kept(tmp_path, tiny_model_dir, train_dataset):
-    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, beta=0.05,
-                    mask_truncated_completions=True, completion_keep_rate=0.9)
+    trainer = train(
+        RecordingTrainer,
+        tmp_path,
+        tiny_model_dir,
+        train_dataset,
+        max_steps=2,
+        beta=0.05,
+        mask_truncated_completions=True,
+        completion_keep_rate=0.9,
+    )
     dead_seen = False
     for r in trainer.records:
         dead = r["completion_mask"].sum(1) == 0
@@ -249,4 +344,6 @@ def test_rows_without_loss_tokens_are_never_kept(tmp_path, tiny_model_dir, train
 
 def test_grpo_config_is_refused_with_a_clear_message(tmp_path, tiny_model_dir, train_dataset):
     with pytest.raises(TypeError, match="DPPOConfig"):
-        DPPOTrainer(tiny_model_dir, random_reward, args=cpu_config(tmp_path, cls=GRPOConfig), train_dataset=train_dataset)
+        DPPOTrainer(
+            tiny_model_dir, random_reward, args=cpu_config(tmp_path, cls=GRPOConfig), train_dataset=train_dataset
+        )

@@ -54,7 +54,9 @@ def synthetic_batch(trainer, seed=0):
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention = torch.cat([prompt_mask, completion_mask], 1)
     with torch.no_grad():
-        logps = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, input_ids, attention, comp_len)[0]
+        logps = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, input_ids, attention, comp_len)[
+            0
+        ]
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
@@ -80,16 +82,21 @@ def dppo_loss_and_grad(trainer, batch, keep, weights):
         loss = trainer._compute_loss(trainer.model, mb)
         loss.backward()
         total += loss.item()
-    grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
-                      for p in trainer.model.parameters() if p.requires_grad])
+    grad = torch.cat(
+        [
+            p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+            for p in trainer.model.parameters()
+            if p.requires_grad
+        ]
+    )
     return torch.tensor(total, dtype=torch.float64), grad.double()
 
 
 def expectation(trainer, batch, outcomes):
     loss, grad, total_prob = 0.0, 0.0, 0.0
     for prob, keep, weights in outcomes:
-        l, g = dppo_loss_and_grad(trainer, batch, keep, weights)
-        loss, grad, total_prob = loss + prob * l, grad + prob * g, total_prob + prob
+        value, g = dppo_loss_and_grad(trainer, batch, keep, weights)
+        loss, grad, total_prob = loss + prob * value, grad + prob * g, total_prob + prob
     assert total_prob == pytest.approx(1.0)
     return loss, grad
 
@@ -151,8 +158,16 @@ def test_full_batch_loss_is_grpo_trainers_loss(tmp_path, tiny_model_dir, train_d
 
 
 def test_sequence_level_importance_sampling_is_unbiased_too(tmp_path, tiny_model_dir, train_dataset):
-    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "grpo", 0.05, 3,
-                           importance_sampling_level="sequence", use_bias_correction_kl=True)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_model_dir,
+        train_dataset,
+        "grpo",
+        0.05,
+        3,
+        importance_sampling_level="sequence",
+        use_bias_correction_kl=True,
+    )
     batch = synthetic_batch(trainer, seed=3)
     full_loss, full_grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool), torch.ones(N_ROWS))
     pi, _ = keep_probabilities(batch["advantages"], 0.5, 0.1, zero_score_contributes=True)

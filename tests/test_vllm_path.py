@@ -26,8 +26,11 @@ class SimulatedVLLM:
         out = super()._generate_and_score_completions(inputs)
         if self.model.training:
             self.__dict__.setdefault("records", []).append(
-                {k: out[k].detach().clone() for k in ("importance_sampling_ratio", "old_per_token_logps", "dppo_keep")
-                 if k in out}
+                {
+                    k: out[k].detach().clone()
+                    for k in ("importance_sampling_ratio", "old_per_token_logps", "dppo_keep")
+                    if k in out
+                }
             )
         return out
 
@@ -50,17 +53,26 @@ SAMPLING_KEYS = [
 
 
 def run(cls, config_cls, tmp_path, mode, **kwargs):
-    return cpu_config(tmp_path, cls=config_cls, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=2,
-                      vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_max=1.2,
-                      vllm_importance_sampling_clip_min=0.9, **kwargs)
+    return cpu_config(
+        tmp_path,
+        cls=config_cls,
+        beta=0.05,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_max=1.2,
+        vllm_importance_sampling_clip_min=0.9,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "sequence_mask", "token_mask"])
 def test_every_row_kept_reproduces_trls_importance_sampling(tmp_path, tiny_model_dir, train_dataset, mode):
     results = {}
-    for name, cls, cfg, extra in [("grpo", SimGRPO, GRPOConfig, {}),
-                                  ("dppo", SimDPPO, DPPOConfig,
-                                   {"completion_keep_rate": 0.5, "keep_floor": 1.0, "packing": False})]:
+    for name, cls, cfg, extra in [
+        ("grpo", SimGRPO, GRPOConfig, {}),
+        ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5, "keep_floor": 1.0, "packing": False}),
+    ]:
         args = run(cls, cfg, tmp_path / name, mode, max_steps=3, **extra)
         trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
         trainer.use_vllm = True
@@ -80,8 +92,10 @@ def test_every_row_kept_reproduces_trls_importance_sampling(tmp_path, tiny_model
 
 def test_pruned_old_policy_pass_skips_pruned_rows_and_keeps_trls_ratio(tmp_path, tiny_model_dir, train_dataset):
     results = {}
-    for name, cls, cfg, extra in [("grpo", SimGRPO, GRPOConfig, {}),
-                                  ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5})]:
+    for name, cls, cfg, extra in [
+        ("grpo", SimGRPO, GRPOConfig, {}),
+        ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5}),
+    ]:
         args = run(cls, cfg, tmp_path / name, "token_truncate", max_steps=2, **extra)
         trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
         trainer.use_vllm = True
