@@ -4,6 +4,7 @@ nothing."""
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,24 @@ WORKER = Path(__file__).parent / "multiprocess_worker.py"
 def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, sampling, rate):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun comes with torch"
+    with socket.socket() as free:  # a free loopback port for the rendezvous
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     run = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", str(WORKER), tiny_model_dir, str(tmp_path), sampling, rate],
+        [
+            torchrun,
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(WORKER),
+            tiny_model_dir,
+            str(tmp_path),
+            sampling,
+            rate,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
