@@ -60,58 +60,32 @@ def test_keep_rate_one_without_packing_is_exactly_grpo(tmp_path, tiny_model_dir,
         assert torch.equal(p, params_of(dppo)[name]), name
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "cispo"])
-def test_packing_without_pruning_trains_like_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
-    common = dict(
-        max_steps=4,
-        beta=0.05,
-        loss_type=loss_type,
-        steps_per_generation=2,
-        gradient_accumulation_steps=2,
-        num_iterations=2,
-    )
-    grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
-    dppo = train(
-        RecordingTrainer,
-        tmp_path / "d",
-        tiny_model_dir,
-        train_dataset,
-        completion_keep_rate=1.0,
-        packing=True,
-        **common,
-    )
+def assert_every_row_kept_trains_like_grpo(tmp_path, model_dir, dataset, loss_type, **dppo_settings):
+    """GRPO and DPPO (every row kept) from the same seed: the same losses and parameters, to float tolerance."""
+    common = dict(max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2,
+                  gradient_accumulation_steps=2, num_iterations=2)  # fmt: skip
+    grpo = train(GRPOTrainer, tmp_path / "g", model_dir, dataset, config_cls=GRPOConfig, **common)
+    dppo = train(RecordingTrainer, tmp_path / "d", model_dir, dataset, **dppo_settings, **common)
     assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
     assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-6)
     for name, p in params_of(grpo).items():
         torch.testing.assert_close(params_of(dppo)[name], p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "cispo"])
+def test_packing_without_pruning_trains_like_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
+    assert_every_row_kept_trains_like_grpo(
+        tmp_path, tiny_model_dir, train_dataset, loss_type, completion_keep_rate=1.0, packing=True
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
 def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
     """keep_floor=1 makes every pi = 1: the deferred old/ref passes, the kept-row split, the weighted advantages,
     the normalizer rescale and the separate KL term must then reproduce GRPOTrainer step for step."""
-    common = dict(
-        max_steps=4,
-        beta=0.05,
-        loss_type=loss_type,
-        steps_per_generation=2,
-        gradient_accumulation_steps=2,
-        num_iterations=2,
+    assert_every_row_kept_trains_like_grpo(
+        tmp_path, tiny_model_dir, train_dataset, loss_type, completion_keep_rate=0.5, keep_floor=1.0
     )
-    grpo = train(GRPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, config_cls=GRPOConfig, **common)
-    dppo = train(
-        RecordingTrainer,
-        tmp_path / "d",
-        tiny_model_dir,
-        train_dataset,
-        completion_keep_rate=0.5,
-        keep_floor=1.0,
-        **common,
-    )
-    assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
-    assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-6)
-    for name, p in params_of(grpo).items():
-        torch.testing.assert_close(params_of(dppo)[name], p, rtol=1e-4, atol=1e-6)
 
 
 def count_logprob_rows(trainer):
