@@ -109,7 +109,7 @@ def training_phase(trainer, batch, kind):
         real, allocated = 2 * float(lengths.sum()), 2 * float(ids.numel())
     else:
         batch["ref_per_token_logps"] = torch.zeros(ids.size(0), width)
-        keep, weights = trainer._draw_keep_mask(batch)
+        keep, weights = trainer._draw_keep_mask(batch, trainer._global_scores(batch))
         trainer._run_deferred_logps(batch, [trainer.ref_model], keep)
         batch["dppo_keep"], batch["dppo_weight"] = keep, weights.float()
         microbatches = trainer._kept_microbatches(shuffle_sequence_dict(batch))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-
 import time
 
 import torch
@@ -72,6 +71,12 @@ def select_rows(batch: dict, index: torch.Tensor) -> dict:
         else:
             out[key] = value
     return out
+
+
+def loss_mask(batch: dict) -> torch.Tensor:
+    """TRL's loss mask: the completion mask, times the tool mask where there is one."""
+    mask = batch["completion_mask"]
+    return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
 
 
 class DPPOTrainer(GRPOTrainer):
@@ -121,6 +126,17 @@ class DPPOTrainer(GRPOTrainer):
     def _dppo_now(self) -> bool:
         return self.args.dppo_training_path and self.model.training
 
+    def _local(self, rows_per_rank: int) -> slice:
+        """This rank's rows of a batch gathered from every rank (TRL's process slice)."""
+        index = self.accelerator.process_index
+        return slice(index * rows_per_rank, (index + 1) * rows_per_rank)
+
+    def _global_scores(self, output) -> torch.Tensor:
+        """Every rank's advantages, gathered (a fixed-size gather), one per row: the advantage itself, or the
+        largest |A| of the row where a subclass gives per-token advantages."""
+        advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
+        return advantages.abs().amax(dim=1) if advantages.dim() > 1 else advantages
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         calls = self._deferred_logp_calls
         if calls is not None:
@@ -157,9 +173,10 @@ class DPPOTrainer(GRPOTrainer):
                 "DPPO's training path (completion or prompt pruning, packing) does not support multimodal batches "
                 "yet; set completion_keep_rate=1.0, prompt_keep_rate=1.0 and packing=False."
             )
-        keep, weights = self._draw_keep_mask(output)
+        scores = self._global_scores(output)
+        keep, weights = self._draw_keep_mask(output, scores)
         if self.args.prompt_pruning:
-            weights = weights * self._take_prompt_decision(inputs, output)
+            weights = weights * self._take_prompt_decision(inputs, output, scores)
         self._run_deferred_logps(output, calls, keep)
         output["dppo_keep"] = keep
         output["dppo_weight"] = weights.to(torch.float32)
@@ -212,7 +229,7 @@ class DPPOTrainer(GRPOTrainer):
         steps_per_epoch = max(math.ceil(units_per_epoch / self.args.gradient_accumulation_steps), 1)
         return (self.state.global_step % steps_per_epoch) * self.args.gradient_accumulation_steps
 
-    def _take_prompt_decision(self, inputs, output) -> torch.Tensor:
+    def _take_prompt_decision(self, inputs, output, scores) -> torch.Tensor:
         """This generation batch's prompt weights (this rank's rows); feeds the group's mean |A| back to the
         history. Checks that the batch is the one the sampler planned."""
         decision = self._prompt_sampler.pop_decision(self._next_prompt_batch)
@@ -221,21 +238,17 @@ class DPPOTrainer(GRPOTrainer):
         group = self.num_generations
         rows = [i for i in decision["prompts"] for _ in range(group)]
         local = len(inputs)
-        mine = rows[self.accelerator.process_index * local : (self.accelerator.process_index + 1) * local]
+        mine = rows[self._local(local)]
         expected = [self.train_dataset[i]["prompt"] for i in mine]
         if expected != [x["prompt"] for x in inputs]:
             raise RuntimeError("DPPO prompt sampler and trainer disagree on the generation batch's prompts.")
-        advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
-        if advantages.dim() > 1:
-            advantages = advantages.abs().amax(dim=1)
-        self._prompt_sampler.update(decision["prompts"], advantages.abs().view(-1, group).mean(1).tolist())
+        self._prompt_sampler.update(decision["prompts"], scores.abs().view(-1, group).mean(1).tolist())
         weights = torch.tensor([w for w in decision["weights"] for _ in range(group)], dtype=torch.float64)
         metrics = self._metrics["train"]
         metrics["dppo/prompt_keep_rate"].append(decision["accepted_fraction"])
         metrics["dppo/prompt_q_bar"].append(decision["q_bar"])
         metrics["dppo/prompt_weight_max"].append(max(decision["weights"]))
-        local_rows = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
-        return weights[local_rows].to(output["advantages"].device)
+        return weights[self._local(local)].to(output["advantages"].device)
 
     _PROMPT_STATE_FILE = "dppo_prompt_sampler.json"
 
@@ -294,9 +307,7 @@ class DPPOTrainer(GRPOTrainer):
         finally:
             self.beta = beta
             captured, self._captured_logps = self._captured_logps, None
-        mask = (
-            inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
-        )
+        mask = loss_mask(inputs)
         norm_args = dict(
             max_completion_length=self.max_completion_length,
             loss_tokens_in_generation_batch=float(inputs["num_items_in_batch"]),
@@ -341,19 +352,13 @@ class DPPOTrainer(GRPOTrainer):
         )
         return (base * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
 
-    def _draw_keep_mask(self, output):
+    def _draw_keep_mask(self, output, advantages):
         """The global keep decision (identical on every rank), as this rank's (keep, weight) rows. Also records
         every rank's kept sequence lengths, from which each rank derives the common micro-batch row counts."""
         local_rows = output["advantages"].size(0)
-        advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
-        if advantages.dim() > 1:
-            advantages = advantages.abs().amax(dim=1)
-        loss_mask = (
-            output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
-        )
         lengths = self.accelerator.gather(output["completion_mask"].sum(1)).cpu()
         prompt_lengths = self.accelerator.gather(output["prompt_mask"].sum(1)).cpu()
-        loss_tokens = self.accelerator.gather(loss_mask.sum(1)).cpu()
+        loss_tokens = self.accelerator.gather(loss_mask(output).sum(1)).cpu()
         design, rate = self.args.prune_sampling, self.args.completion_keep_rate
         pi = None
         if not self.args.completion_pruning:  # packing only: every row, weight 1
@@ -393,7 +398,7 @@ class DPPOTrainer(GRPOTrainer):
         ]
         if self.args.completion_pruning:
             self._log_pruning_metrics(keep, weights, pi, advantages, lengths.float(), sequence_lengths.float())
-        local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
+        local = self._local(local_rows)
         device = output["advantages"].device
         return keep[local].to(device), weights[local].to(device)
 
@@ -453,9 +458,7 @@ class DPPOTrainer(GRPOTrainer):
     def _recompute_vllm_importance_sampling(self, output, rows):
         """TRL built the vLLM IS ratio (and its ``sampling/*`` metrics) from the deferred placeholder: rebuild
         both from the real old-policy log-probs of the forwarded rows."""
-        mask = (
-            output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
-        )
+        mask = loss_mask(output)
         old, sampled, mask = output["old_per_token_logps"][rows], output["sampling_per_token_logps"][rows], mask[rows]
         ratio = vllm_importance_sampling_ratio(
             old,

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_config import DPPO_FIELDS
 
 from dppo_trl.cli import main, make_parser, parse
 from dppo_trl.config import DPPOConfig
@@ -79,17 +80,7 @@ def test_flags_override_yaml(tmp_path):
 
 def test_help_lists_the_dppo_options():
     text = make_parser().format_help()
-    for name in [
-        "completion_keep_rate",
-        "keep_floor",
-        "prune_sampling",
-        "prune_seed",
-        "packing",
-        "max_packed_tokens",
-        "prompt_keep_rate",
-        "prompt_keep_floor",
-        "prompt_history_decay",
-    ]:
+    for name in DPPO_FIELDS:
         assert f"--{name}" in text, name
     assert "Horvitz" in text or "1/pi" in text  # the help text itself, not just the flag
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_unbiased import LOSS_TYPES
 
 from dppo_trl.pruning import (
     effective_sample_size,
@@ -169,7 +170,7 @@ def test_weights_and_ess():
     assert effective_sample_size(torch.tensor([])) == 0.0
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_normalizers_agree_when_nothing_is_pruned(loss_type):
     # With full micro-batches (and, for bnpo, a micro-batch holding its share of tokens) TRL's normalizer is
     # the full-batch one.
