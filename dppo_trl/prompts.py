@@ -49,10 +49,12 @@ class PromptPruningSampler(Sampler[int]):
     as in ``RepeatSampler``). Every planned batch is numbered and kept in ``decisions`` (prompts, weights)
     until the trainer takes it with ``pop_decision``; the trainer feeds the history back with ``update``.
 
-    ``__len__`` is the unpruned epoch length, an upper bound that keeps the HF Trainer's step arithmetic
-    (epochs, resume skipping) that of GRPO; a pruned epoch simply ends early. After ``load_state_dict`` the
-    next iteration first yields ``skip_units()`` placeholder units (the Trainer's resume logic discards that
-    many batches), then the rest of the interrupted epoch from the first batch not yet taken.
+    ``__len__`` is the unpruned epoch length, which keeps the HF Trainer's step arithmetic (epochs, resume
+    skipping) that of GRPO. With ``max_epochs`` (epoch-based runs) one iteration is one data epoch, which
+    ends early when pruned. Without it (``max_steps`` runs) one iteration yields exactly ``__len__`` indices,
+    walking on into the next data epochs as needed, so the Trainer takes exactly ``max_steps`` steps. After
+    ``load_state_dict`` the next iteration first yields ``skip_units()`` placeholder units (the Trainer's
+    resume logic discards that many batches), then goes on from the first batch not yet taken.
     """
 
     def __init__(
@@ -83,7 +85,8 @@ class PromptPruningSampler(Sampler[int]):
         self.seen = torch.zeros(num_prompts, dtype=torch.bool)
         self.epoch = 0  # data epochs planned so far
         self.batches_planned = 0
-        self.plan: list[dict] = []  # the current epoch's batches
+        self.plan: list[dict] = []  # the current data epoch's batches
+        self.next_batch = 0  # number of the next planned batch to yield
         self.decisions: dict[int, dict] = {}
         self.generator = torch.Generator().manual_seed(accept_seed)
         self.order_generator = torch.Generator().manual_seed(seed)
@@ -136,20 +139,32 @@ class PromptPruningSampler(Sampler[int]):
                 yield from [index] * self.group_size
 
     def __iter__(self) -> Iterator[int]:
+        units = self.num_prompts // self.prompts_per_batch  # generation batches in an unpruned epoch
         if self._resume_from is not None:
-            start, self._resume_from = self._resume_from, None
+            self.next_batch, self._resume_from = self._resume_from, None
             placeholder = self.plan[0]["prompts"] if self.plan else list(range(self.prompts_per_batch))
-            for _ in range(self.skip_units()):
+            skipped = self.skip_units()
+            for _ in range(skipped):
                 for index in placeholder:
                     yield from [index] * self.group_size
-            remaining = [b for b in self.plan if b["number"] >= start]
-        else:
-            if self.max_epochs is not None and self.epoch >= self.max_epochs:
+            units -= skipped
+        elif self.max_epochs is not None:
+            if self.epoch >= self.max_epochs:
                 return
             self.plan = self._plan_epoch()
-            remaining = self.plan
-        for batch in remaining:
+        empty_epochs = 0
+        while units > 0:
+            pending = [b for b in self.plan if b["number"] >= self.next_batch]
+            if not pending:
+                if self.max_epochs is not None or empty_epochs > 100:  # epoch-based, or nothing is ever accepted
+                    return
+                self.plan = self._plan_epoch()
+                empty_epochs = 0 if self.plan else empty_epochs + 1
+                continue
+            batch = pending[0]
             self.decisions[batch["number"]] = batch
+            self.next_batch = batch["number"] + 1
+            units -= 1
             yield from self._expand(batch["prompts"])
 
     def __len__(self) -> int:
@@ -185,6 +200,7 @@ class PromptPruningSampler(Sampler[int]):
         self.batches_planned = state["batches_planned"]
         self.plan = list(state["plan"])
         self.decisions = {}
+        self.next_batch = next_batch
         self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
         self.order_generator.set_state(torch.tensor(state["order_generator"], dtype=torch.uint8))
         self._resume_from = next_batch

@@ -106,16 +106,15 @@ def test_sampler_steps_are_unbiased_statistically():
     sampler.update(range(n), [0.0, 0.1, 0.4, 1.0, 2.0, 0.2])
     sampler.update = lambda *a, **k: None  # freeze the history
     estimates = []
-    for _ in range(4000):
-        start = sampler.batches_planned
-        list(sampler)
-        for number in range(start, sampler.batches_planned):
+    for _ in range(3000):
+        list(sampler)  # n batches (the unpruned epoch length), walking on through the data epochs
+        for number in sorted(sampler.decisions):
             batch = sampler.pop_decision(number)
             estimates.append(sum(w * g[i] for i, w in zip(batch["prompts"], batch["weights"])))
     estimates = torch.stack(estimates)
     mean, stderr = estimates.mean(0), estimates.std(0) / math.sqrt(len(estimates))
     assert torch.all((mean - g.mean(0)).abs() < 4 * stderr), (mean, g.mean(0), stderr)
-    assert len(estimates) < 0.75 * 4000 * n  # and it did skip prompts
+    assert sampler.epoch > 1.3 * 3000  # it walked more data epochs than iterations: it did skip prompts
 
 
 def coarse_reward(completions, **kwargs):
@@ -196,24 +195,36 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_model_dir, small_dataset):
+def test_max_steps_runs_take_exactly_max_steps_across_pruned_epochs(tmp_path, tiny_model_dir, small_dataset):
+    trainer = PromptRecorder(
+        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, max_steps=28), train_dataset=small_dataset
+    )
+    trainer.train()
+    # GRPO's epoch is 8 steps; the Trainer plans 4 epochs and each yields 8 steps, from more data epochs.
+    assert trainer.state.global_step == len(trainer.prompts_seen) == 28
+    assert trainer._prompt_sampler.epoch > 4
+
+
+@pytest.mark.parametrize("budget,stop", [({}, 10), ({"max_steps": 28}, 13)])
+def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_model_dir, small_dataset, budget, stop):
+    """Epoch-based (stop inside the second, pruned, epoch) and max_steps (stop mid-way through the Trainer's
+    second epoch, which is made of pruned data epochs)."""
     whole = PromptRecorder(
-        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "whole"), train_dataset=small_dataset
+        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "whole", **budget), train_dataset=small_dataset
     )
     whole.train()
-    stop = 10  # inside the second (pruned) epoch
     assert whole.state.global_step > stop
     first = PromptRecorder(
         tiny_model_dir,
         coarse_reward,
-        args=prompt_config(tmp_path / "split"),
+        args=prompt_config(tmp_path / "split", **budget),
         train_dataset=small_dataset,
         callbacks=[StopAt(stop)],
     )
     first.train()
     assert first.state.global_step == stop
     second = PromptRecorder(
-        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "split"), train_dataset=small_dataset
+        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "split", **budget), train_dataset=small_dataset
     )
     second.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / f"checkpoint-{stop}"))
     assert first.prompts_seen + second.prompts_seen == whole.prompts_seen
