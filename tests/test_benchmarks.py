@@ -18,3 +18,95 @@ def test_bench_train_runs_and_writes_its_table(tmp_path, capsys):
     packed, grpo = rows[2], rows[0]
     assert packed["real_tokens"] < grpo["real_tokens"] and packed["token_density"] > grpo["token_density"]
     assert "x the ideal ratio" in capsys.readouterr().out
+
+
+import bench_e2e  # noqa: E402
+
+
+def test_time_to_target_reads_the_first_crossing_of_the_trailing_mean():
+    assert bench_e2e.trailing_mean([0.0, 1.0, 1.0, 0.0], 2) == [0.0, 0.5, 1.0, 0.5]
+    run = {
+        "steps": [{"step": s, "wall": 10.0 * s} for s in range(1, 9)],
+        "generations": [{"step": s, "population_reward": r} for s, r in zip((0, 2, 4, 6), (0.2, 0.4, 0.8, 0.6))],
+    }
+    walls, rewards = bench_e2e.reward_curve(run, window=1)
+    assert walls == (20.0, 40.0, 60.0, 80.0) and rewards == (0.2, 0.4, 0.8, 0.6)  # a generation ends 2 steps on
+    assert bench_e2e.time_to((walls, rewards), 0.5) == 60.0
+    assert bench_e2e.time_to((walls, rewards), 0.9) is None
+    assert bench_e2e.reward_curve(run, window=2, last_step=4) == ((20.0, 40.0), (0.2, 0.30000000000000004))
+
+
+def test_bench_e2e_runs_every_method_and_sweep_and_plots(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    tables = bench_e2e.main(
+        [
+            "--seeds",
+            "0",
+            "--sweep-seeds",
+            "0",
+            "--steps",
+            "12",
+            "--extension",
+            "0.5",
+            "--eval-every",
+            "4",
+            "--train-prompts",
+            "16",
+            "--heldout",
+            "16",
+            "--batch-size",
+            "16",
+            "--steps-per-generation",
+            "2",
+            "--window",
+            "1",
+            "--warmup",
+            "0",
+            "--sft-steps",
+            "120",
+            "--model-cache",
+            str(tmp_path / "toy"),
+            "--plots",
+            str(tmp_path / "plots"),
+            "--json",
+            str(out),
+        ]  # fmt: skip
+    )
+    assert set(tables) == {"methods", "completion_keep_rate", "prompt_keep_rate"}
+    rows = {r["method"]: r for r in tables["methods"]}
+    assert list(rows) == list(bench_e2e.METHODS)
+    grpo, dppo = rows["grpo"], rows["dppo"]
+    assert grpo["total_ratio"] == 1.0 and grpo["time_to_target_ratio"] == 1.0 and grpo["kept_fraction"] == 1.0
+    # at most half (fewer when whole groups got equal rewards: such rows contribute nothing and are dropped)
+    assert 0 < dppo["kept_fraction"] <= 0.5 and 0 < rows["topk"]["kept_fraction"] <= 0.5
+    assert dppo["trained_tokens"] < grpo["trained_tokens"]
+    for row in rows.values():
+        assert row["steps"] == 12  # the common budget, whatever the extension
+        shares = row["phase_share"]
+        assert shares["generation"] > 0 and shares["loss"] > 0 and abs(sum(shares.values()) - 1) < 1e-6
+    data = json.loads(out.read_text())
+    pruned = [r for r in data["runs"] if r["method"] == "dppo+prompt"][0]
+    assert len(pruned["steps"]) == 12 + 8 and pruned["evals"][-1]["step"] == 20  # extension: 6 rounded up to 8
+    # 4 generation batches per epoch: prompt pruning reweights from the second epoch on.
+    assert any(g["population_reward"] != g["reward"] for g in pruned["generations"])
+    assert [r["method"] for r in tables["completion_keep_rate"]] == ["grpo", "keep=1.0", "keep=0.75", "keep=0.5",
+                                                                      "keep=0.25"]  # fmt: skip
+    assert len(data["plots"]) == 6 and all(Path(p).stat().st_size > 10_000 for p in data["plots"])
+    assert "to target" in capsys.readouterr().out
+
+
+def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
+    import os
+    import subprocess
+
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="")
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu.sh"
+    result = subprocess.run(["bash", str(script), "--steps", "4", "--cache", str(tmp_path / "cache")], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    grpo, dppo = data["results"]
+    assert (grpo["method"], dppo["method"]) == ("grpo", "dppo") and data["device"].startswith("cpu")
+    assert grpo["step_ratio_to_grpo"] == 1.0 and dppo["kept_fraction"] == 0.5
+    assert dppo["training_phase_s"] > 0 and "step s" in result.stdout

