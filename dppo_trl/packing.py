@@ -11,6 +11,8 @@ No TRL import. Lengths are token counts of whole sequences (prompt + completion,
   or cut).
 - ``packed_layout``: where each sequence's tokens sit in the packed rows, and the ``position_ids`` that
   restart at 0 for each sequence (transformers derives the block-diagonal causal mask from them).
+- ``balance_ranks``: which rank trains which kept row, moving as few rows as it can from the most to the least
+  loaded rank until every rank's token load is within a tolerance of the mean (or no move helps).
 """
 
 from __future__ import annotations
@@ -88,3 +90,41 @@ def default_packed_tokens(rows_per_microbatch: int, longest_sequence: int, varle
     memory than TRL's padded micro-batch. Otherwise (sdpa, eager: a dense block-diagonal mask, cost quadratic
     in the packed row) the longest sequence: a packed row never costs more than one padded row."""
     return max(1, rows_per_microbatch * longest_sequence if varlen_attention else longest_sequence)
+
+
+def rank_imbalance(loads: list[float]) -> float:
+    """Largest load over the mean load (1.0 when balanced or empty)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def balance_ranks(lengths_per_rank: list[list[int]], tolerance: float = 0.1) -> list[list[tuple[int, int]]]:
+    """For each rank, the rows ``(source rank, index into its lengths)`` it trains.
+
+    Every rank starts with its own rows. While the most loaded rank holds more than ``(1 + tolerance)`` times
+    the mean load, one of its rows moves to the least loaded rank: the row whose length is closest to half
+    their gap, among those shorter than the gap (so the larger of the two loads strictly falls). It stops
+    when within tolerance or when no row can move; the sum of squared loads falls with every move, so it
+    ends. Deterministic (ties: lower rank, then lower index): every rank computes the same assignment from
+    the gathered lengths, without communication. Rows keep their order on their rank; received rows follow.
+    """
+    held = [[(r, i) for i in range(len(lengths))] for r, lengths in enumerate(lengths_per_rank)]
+    loads = [sum(lengths) for lengths in lengths_per_rank]
+    if len(loads) < 2:
+        return held
+    mean = sum(loads) / len(loads)
+    length = lambda row: lengths_per_rank[row[0]][row[1]]  # noqa: E731
+    while True:
+        heavy = max(range(len(loads)), key=lambda r: (loads[r], -r))
+        light = min(range(len(loads)), key=lambda r: (loads[r], r))
+        if loads[heavy] <= (1.0 + tolerance) * mean:
+            return held
+        gap = loads[heavy] - loads[light]
+        movable = [k for k, row in enumerate(held[heavy]) if 0 < length(row) < gap]
+        if not movable:
+            return held
+        k = min(movable, key=lambda k: (abs(2 * length(held[heavy][k]) - gap), held[heavy][k]))
+        row = held[heavy].pop(k)
+        held[light].append(row)
+        loads[heavy] -= length(row)
+        loads[light] += length(row)

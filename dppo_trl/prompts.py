@@ -147,7 +147,7 @@ class PromptPruningSampler(Sampler[int]):
             for _ in range(skipped):
                 for index in placeholder:
                     yield from [index] * self.group_size
-            units -= skipped
+            units -= -(-skipped // self.repeat_count)  # a placeholder stands for one of a unit's repeats
         elif self.max_epochs is not None:
             if self.epoch >= self.max_epochs:
                 return

@@ -37,11 +37,13 @@ from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 from .config import DPPOConfig
 from .packing import (
     assign_microbatches,
+    balance_ranks,
     default_packed_tokens,
     microbatch_row_counts,
     pack_rows,
     packed_allocation,
     packed_layout,
+    rank_imbalance,
 )
 from .prompts import PromptPruningSampler
 from .pruning import (
@@ -114,6 +116,8 @@ class DPPOTrainer(GRPOTrainer):
         self._captured_logps: list | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self._pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = "flash" in attention
         self.add_callback(DPPOSummaryCallback())
@@ -177,9 +181,10 @@ class DPPOTrainer(GRPOTrainer):
         keep, weights = self._draw_keep_mask(output, scores)
         if self.args.prompt_pruning:
             weights = weights * self._take_prompt_decision(inputs, output, scores)
-        self._run_deferred_logps(output, calls, keep)
-        output["dppo_keep"] = keep
-        output["dppo_weight"] = weights.to(torch.float32)
+        output["dppo_keep"], output["dppo_weight"] = keep, weights
+        output = self._balance_ranks(output)
+        self._run_deferred_logps(output, calls, output["dppo_keep"])
+        output["dppo_weight"] = output["dppo_weight"].to(torch.float32)
         return output
 
     def _get_train_sampler(self, dataset=None):
@@ -417,6 +422,61 @@ class DPPOTrainer(GRPOTrainer):
             metrics["dppo/expected_keep_fraction"].append(float(pi.sum()) / n)
         # Work of the log-prob and loss passes scales with the sequence tokens they see.
         metrics["dppo/compute_saved"].append(1.0 - float(sequence_tokens[keep].sum()) / float(sequence_tokens.sum()))
+
+    RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
+
+    @torch.no_grad()
+    def _balance_ranks(self, output) -> dict:
+        """Move kept rows between ranks (``balance_ranks`` on the gathered kept lengths, the same plan on every
+        rank) so each rank's token load is within ``RANK_BALANCE_TOLERANCE`` of the mean where the rows allow.
+        A row that leaves stays in its rank's batch, no longer kept; received rows are appended, kept. Every
+        per-row tensor travels (one fixed-size gather per key, padded to the widest rank). Each row's loss term
+        is normalized by global constants, so where a row trains does not change the gradient."""
+        plan = balance_ranks(self._kept_lengths_per_rank, self.RANK_BALANCE_TOLERANCE)
+        length = lambda row: self._kept_lengths_per_rank[row[0]][row[1]]  # noqa: E731
+        metrics = self._metrics["train"]
+        metrics["dppo/rank_imbalance_before"].append(rank_imbalance([sum(r) for r in self._kept_lengths_per_rank]))
+        metrics["dppo/rank_imbalance"].append(rank_imbalance([sum(map(length, rows)) for rows in plan]))
+        me, world = self.accelerator.process_index, self.accelerator.num_processes
+        outgoing = [sorted((k, dest) for dest in range(world) for src, k in plan[dest] if src == r and dest != r)
+                    for r in range(world)]  # fmt: skip
+        slots = max(len(rows) for rows in outgoing)
+        if slots == 0:
+            return output
+        local_rows = output["dppo_keep"].size(0)
+        kept = output["dppo_keep"].nonzero().flatten()
+        widths = torch.tensor([output["prompt_ids"].size(1), output["completion_ids"].size(1)])
+        prompt_width, completion_width = self.accelerator.gather(widths.to(self.accelerator.device)).view(-1, 2).amax(0)
+        sequence_is = str(self.vllm_importance_sampling_mode).startswith("sequence")
+        local_completion_width = output["completion_ids"].size(1)
+        received = [(src, k) for src, k in plan[me] if src != me]
+        out = dict(output)
+        for key in sorted(
+            k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() and len(v) == local_rows
+        ):
+            value = output[key]
+            fill = 1 if key == "importance_sampling_ratio" else 0
+            if key in ("prompt_ids", "completion_ids"):
+                fill = self._pad_token_id
+            if key.startswith("prompt_") and value.dim() > 1:
+                value = torch.nn.functional.pad(value, (int(prompt_width) - value.size(1), 0), value=fill)
+            elif (
+                value.dim() > 1
+                and value.size(1) == local_completion_width
+                and not (key == "importance_sampling_ratio" and sequence_is)
+            ):
+                value = torch.nn.functional.pad(value, (0, int(completion_width) - value.size(1)), value=fill)
+            send = value.new_zeros(slots, *value.shape[1:]) if key != "dppo_keep" else value.new_ones(slots)
+            for j, (k, _) in enumerate(outgoing[me]):
+                send[j] = value[kept[k]]
+            gathered = self.accelerator.gather(send if key != "dppo_keep" else send.long()).to(value.dtype)
+            rows = [src * slots + outgoing[src].index((k, me)) for src, k in received]
+            out[key] = torch.cat([value, gathered[rows]])
+        leaving = kept[[k for k, _ in outgoing[me]]]
+        out["dppo_keep"][leaving] = False
+        out["dppo_weight"][leaving] = 0.0
+        self._kept_lengths_per_rank = [[length(row) for row in rows] for rows in plan]
+        return out
 
     @torch.no_grad()
     def _run_deferred_logps(self, output, calls, keep):

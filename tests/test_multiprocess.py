@@ -1,6 +1,7 @@
 """Two processes on CPU (torchrun, gloo): DPPO with pruning and packing finishes without hanging, every rank
-draws the same global masks, and both ranks end with the same parameters, including when a rank keeps
-nothing."""
+draws the same global masks, both ranks end with the same parameters (also when a rank keeps nothing), rows
+moved between ranks to balance them train exactly as they would have where they were, and a run killed and
+resumed with prompt pruning on ends where an uninterrupted one does."""
 
 import json
 import shutil
@@ -10,41 +11,60 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).parent / "multiprocess_worker.py"
 
 
-@pytest.mark.parametrize("sampling,rate", [("systematic", "0.5"), ("topk", "0.05")])
-def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, sampling, rate):
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun, "torchrun comes with torch"
+def torchrun(out_dir, model_dir, *worker_args):
+    """Run the worker on 2 CPU processes; return each rank's record and the parameters of rank 0 and 1."""
+    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert launcher, "torchrun comes with torch"
     with socket.socket() as free:  # a free loopback port for the rendezvous
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    run = subprocess.run(
-        [
-            torchrun,
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(port),
-            str(WORKER),
-            tiny_model_dir,
-            str(tmp_path),
-            sampling,
-            rate,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = [launcher, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+               str(WORKER), model_dir, str(out_dir), *map(str, worker_args)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert all(r["world"] == 2 for r in ranks)
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    params = [torch.load(out_dir / f"params{r}.pt") for r in range(2)]
+    assert all(r["world"] == 2 and r["finite"] for r in ranks)
     assert ranks[0]["masks"] == ranks[1]["masks"] and ranks[0]["masks"]
-    assert ranks[0]["fingerprint"] == pytest.approx(ranks[1]["fingerprint"], rel=1e-6)
-    assert all(r["finite"] for r in ranks)
+    for name, p in params[0].items():  # DDP kept the ranks in step
+        torch.testing.assert_close(params[1][name], p, rtol=1e-6, atol=1e-7)
+    return ranks, params[0]
+
+
+@pytest.mark.parametrize("sampling,rate", [("systematic", 0.5), ("topk", 0.03)])
+def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, sampling, rate):
+    ranks, _ = torchrun(tmp_path, tiny_model_dir, sampling, rate, 4)
     if sampling == "topk":  # one row kept in a batch of 32: one rank has nothing to train on
         assert any(0 in pair for pair in zip(ranks[0]["local_kept"], ranks[1]["local_kept"]))
+
+
+def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_dir):
+    """One generation batch (2 optimizer steps), balanced vs never balanced: the same masks and, up to float
+    summation order, the same parameters; the balanced run moved rows and ended within 10% of the mean load
+    wherever the unbalanced one was outside it."""
+    balanced, params = torchrun(tmp_path / "balanced", tiny_model_dir, "systematic", 0.5, 2)
+    unbalanced, reference = torchrun(tmp_path / "unbalanced", tiny_model_dir, "systematic", 0.5, 2, "inf")
+    assert balanced[0]["masks"] == unbalanced[0]["masks"]
+    before, after = balanced[0]["rank_imbalance_before"], balanced[0]["rank_imbalance"]
+    assert before == unbalanced[0]["rank_imbalance"] and max(before) > 1.1  # rows had to move
+    assert all(a <= 1.1 for a in after) and balanced[0]["local_kept"] != unbalanced[0]["local_kept"]
+    for name, p in reference.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_two_ranks_resume_with_prompt_pruning_as_if_never_stopped(tmp_path, tiny_model_dir):
+    """12 steps uninterrupted vs 6 steps, checkpoint, stop, resume to 12 (the stop is inside the second epoch,
+    where prompt pruning has history to act on): the same prompts on each rank, masks and parameters."""
+    whole, params = torchrun(tmp_path / "whole", tiny_model_dir, "systematic", 0.5, 12, "--prompt-keep-rate", 0.5)
+    split, resumed = torchrun(tmp_path / "split", tiny_model_dir, "systematic", 0.5, 12, "--prompt-keep-rate", 0.5,
+                              "--stop", 6)  # fmt: skip
+    assert whole[0]["steps"] == split[0]["steps"] == 12
+    for rank in range(2):
+        assert split[rank]["prompts"] == whole[rank]["prompts"] and split[rank]["masks"] == whole[rank]["masks"]
+    for name, p in params.items():
+        torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6)

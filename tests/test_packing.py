@@ -14,10 +14,12 @@ from trl import GRPOTrainer
 
 from dppo_trl.packing import (
     assign_microbatches,
+    balance_ranks,
     default_packed_tokens,
     microbatch_row_counts,
     pack_rows,
     packed_layout,
+    rank_imbalance,
 )
 
 lengths_strategy = st.lists(st.integers(1, 500), min_size=0, max_size=60)
@@ -180,3 +182,58 @@ def test_a_sequence_longer_than_the_budget_gets_a_row_of_its_own(tmp_path, tiny_
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs and all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in logs)
     assert all(0.0 < h["dppo/token_density"] <= 1.0 for h in logs)
+
+
+def _loads(lengths_per_rank, held):
+    return [sum(lengths_per_rank[r][i] for r, i in rows) for rows in held]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 300), max_size=12), min_size=1, max_size=6))
+def test_balance_ranks_assigns_every_row_once_and_stops_only_when_balanced_or_stuck(lengths_per_rank):
+    held = balance_ranks(lengths_per_rank)
+    assert sorted(row for rows in held for row in rows) == [
+        (r, i) for r, lengths in enumerate(lengths_per_rank) for i in range(len(lengths))
+    ]
+    for r, rows in enumerate(held):  # own rows first, in their order; nothing moves onto its own rank
+        own = [i for src, i in rows if src == r]
+        assert rows[: len(own)] == [(r, i) for i in own] and own == sorted(own)
+    assert balance_ranks(lengths_per_rank) == held  # deterministic
+    loads = _loads(lengths_per_rank, held)
+    mean = sum(loads) / len(loads)
+    heavy, light = max(loads), min(loads)
+    if heavy > 1.1 * mean and len(loads) > 1:  # stuck: no row of the heaviest rank can lower the maximum
+        heavy_rank = loads.index(heavy)
+        assert all(lengths_per_rank[r][i] >= heavy - light for r, i in held[heavy_rank])
+
+
+def test_balance_ranks_moves_only_what_must_move():
+    assert balance_ranks([[5, 5], [5, 5]]) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    # one rank kept everything: about half of it moves, nothing else
+    held = balance_ranks([[10, 10, 10, 10], []])
+    assert held == [[(0, 2), (0, 3)], [(0, 0), (0, 1)]]
+    assert balance_ranks([[100], []]) == [[(0, 0)], []]  # one row cannot be split: left where it is
+
+
+def test_balance_ranks_reaches_ten_percent_on_realistic_batches():
+    import random
+
+    rng, checked = random.Random(0), 0
+    for world in (2, 4, 8):
+        for _ in range(50):
+            lengths = [[int(rng.lognormvariate(5, 0.8)) + 30 for _ in range(16)] for _ in range(world)]
+            kept = [[x for x in rank if rng.random() < rng.choice([0.2, 0.5, 0.8])] for rank in lengths]
+            if sum(map(len, kept)) < 2 * world:
+                continue
+            before = rank_imbalance([sum(k) for k in kept])
+            after = rank_imbalance(_loads(kept, balance_ranks(kept)))
+            mean = sum(map(sum, kept)) / world
+            impossible = max(map(max, filter(None, kept))) > 1.1 * mean  # one row alone exceeds the tolerance
+            assert after <= before and (after <= 1.1 or impossible), (world, kept, before, after)
+            checked += 1
+    assert checked > 100
+
+
+def test_rank_imbalance():
+    assert rank_imbalance([3, 3]) == 1.0 and rank_imbalance([4, 2]) == pytest.approx(4 / 3)
+    assert rank_imbalance([0, 0]) == 1.0

@@ -205,7 +205,15 @@ def test_max_steps_runs_take_exactly_max_steps_across_pruned_epochs(tmp_path, ti
     assert trainer._prompt_sampler.epoch > 4
 
 
-@pytest.mark.parametrize("budget,stop", [({}, 10), ({"max_steps": 28}, 13)])
+@pytest.mark.parametrize(
+    "budget,stop",
+    [
+        ({}, 10),
+        ({"max_steps": 28}, 13),
+        # each generation batch serves 2 iterations x 2 micro-steps: 2 optimizer steps; stop in the last epoch
+        ({"max_steps": 12, "steps_per_generation": 2, "gradient_accumulation_steps": 2, "num_iterations": 2}, 10),
+    ],
+)
 def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_model_dir, small_dataset, budget, stop):
     """Epoch-based (stop inside the second, pruned, epoch) and max_steps (stop mid-way through the Trainer's
     second epoch, which is made of pruned data epochs)."""
