@@ -60,7 +60,7 @@ class DPPOConfig(GRPOConfig):
         metadata={
             "help": "Seed of the pruning decisions only (None: derived from `seed`). Runs with the same `seed` "
             "and different `prune_seed` generate the same first completions and differ only in their masks. "
-            "Used by the random designs ('systematic', 'poisson')."
+            "Used by the random designs ('systematic', 'poisson') and by prompt pruning's acceptance draws."
         },
     )
 
@@ -164,6 +164,15 @@ class DPPOConfig(GRPOConfig):
             )
         if self.max_packed_tokens is not None and not self.packing:
             raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} is not used with packing=False.")
+        if not self.completion_pruning:
+            off = "is not used while completion_keep_rate=1.0 (completion pruning off)"
+            if self.prune_sampling != "systematic":
+                raise ValueError(f"prune_sampling={self.prune_sampling!r} {off}; 'zero_variance' is the one design "
+                                 "that prunes at completion_keep_rate=1.0.")  # fmt: skip
+            if self.keep_floor != _DEFAULT_KEEP_FLOOR:
+                raise ValueError(f"keep_floor={self.keep_floor!r} {off}.")
+            if self.prune_seed is not None and not self.prompt_pruning:
+                raise ValueError(f"prune_seed={self.prune_seed!r} {off} and prompt_keep_rate=1.0 (prompt pruning off).")
         if not self.dppo_training_path:
             return
         self._validate_row_separable_loss()
@@ -180,7 +189,7 @@ class DPPOConfig(GRPOConfig):
                 f"keep_floor={self.keep_floor!r} is not used by prune_sampling={self.prune_sampling!r}; "
                 f"it applies to {list(UNBIASED_DESIGNS)} only."
             )
-        if biased and self.prune_seed is not None:
+        if biased and self.prune_seed is not None and not self.prompt_pruning:
             raise ValueError(
                 f"prune_seed={self.prune_seed!r} is not used by the deterministic prune_sampling="
                 f"{self.prune_sampling!r}; it applies to {list(UNBIASED_DESIGNS)} only."

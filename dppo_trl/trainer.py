@@ -96,17 +96,18 @@ class DPPOTrainer(GRPOTrainer):
                 f"DPPOTrainer needs args of type DPPOConfig, got {type(args).__name__}: build it with "
                 "DPPOConfig(...) (it accepts every GRPOConfig field)."
             )
+        train_dataset = kwargs.get("train_dataset", pargs[0] if pargs else None)
+        if args.prompt_pruning and isinstance(train_dataset, IterableDataset):  # checked before any model loads
+            raise ValueError(
+                f"prompt_keep_rate={args.prompt_keep_rate!r}: prompt pruning needs a map-style dataset (it keeps a "
+                "history per dataset row); a streaming IterableDataset is not supported. Use prompt_keep_rate=1.0."
+            )
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         if args.dppo_training_path and self.aux_loss_enabled:
             raise ValueError(
                 f"router_aux_loss_coef={self.router_aux_loss_coef!r}: the MoE load-balancing loss is not a sum of "
                 "per-row terms and cannot be reweighted; set router_aux_loss_coef=0.0, or completion_keep_rate=1.0 "
                 "with packing=False."
-            )
-        if args.prompt_pruning and isinstance(self.train_dataset, IterableDataset):
-            raise ValueError(
-                f"prompt_keep_rate={args.prompt_keep_rate!r}: prompt pruning needs a map-style dataset (it keeps a "
-                "history per dataset row); a streaming IterableDataset is not supported. Use prompt_keep_rate=1.0."
             )
         self._prompt_sampler: PromptPruningSampler | None = None
         self._prompt_resume: tuple[dict, int] | None = None

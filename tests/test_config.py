@@ -73,6 +73,20 @@ def test_defaults():
         ("max_packed_tokens", -5),
         ("max_packed_tokens", 1.5),
         ("max_packed_tokens", True),
+        ("max_packed_tokens", "64"),
+        ("prompt_keep_rate", 0.0),
+        ("prompt_keep_rate", 1.2),
+        ("prompt_keep_rate", "0.5"),
+        ("prompt_keep_rate", True),
+        ("prompt_keep_rate", float("nan")),
+        ("prompt_keep_rate", None),
+        ("prompt_keep_floor", 0.0),
+        ("prompt_keep_floor", "0.1"),
+        ("prompt_keep_floor", float("inf")),
+        ("prompt_history_decay", 1.0),
+        ("prompt_history_decay", "0.5"),
+        ("prompt_history_decay", False),
+        ("prompt_history_decay", float("nan")),
     ],
 )
 def test_bad_values_name_the_field(field, value):
@@ -116,3 +130,34 @@ def test_every_dppo_field_is_in_the_config_reference():
     reference = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
     for name in DPPO_FIELDS:
         assert f"| `{name}` |" in reference, f"docs/config.md does not document {name}"
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(prompt_keep_floor=0.3), "prompt_keep_floor"),  # prompt pruning off: the setting would be ignored
+        (dict(prompt_history_decay=0.9), "prompt_history_decay"),
+        (dict(completion_keep_rate=1.0, keep_floor=0.2), "keep_floor"),  # completion pruning off
+        (dict(completion_keep_rate=1.0, prune_sampling="poisson"), "prune_sampling"),
+    ],
+)
+def test_settings_that_would_be_silently_ignored_are_rejected(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make(**kwargs)
+
+
+def test_trainer_rejects_bad_setups_before_loading_any_model(tmp_path):
+    """The model path does not exist: an error about it would mean the model was loaded first."""
+    from datasets import Dataset, IterableDataset
+    from trl import GRPOConfig
+
+    from dppo_trl import DPPOTrainer
+
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(TypeError, match="DPPOConfig"):
+        DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(**BASE))
+    rows = Dataset.from_dict({"prompt": ["1+1="] * 8})
+    streaming = IterableDataset.from_generator(lambda: iter(rows))
+    with pytest.raises(ValueError, match="prompt_keep_rate"):
+        DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=make(prompt_keep_rate=0.5),
+                    train_dataset=streaming)  # fmt: skip

@@ -1,10 +1,12 @@
-"""Degenerate batches and numerical guards: everything truncated, extreme advantages at a tiny floor."""
+"""Degenerate batches and numerical guards: each scenario trains without exception, NaN or Inf and logs what
+happened; HT weights stay bounded by 1 / keep_floor with a finite loss at extreme advantages."""
 
 import math
 
+import pytest
 import torch
 from conftest import cpu_config, random_reward
-from test_trainer import RecordingTrainer
+from test_trainer import RecordingTrainer, constant_reward
 from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
 
 from dppo_trl.pruning import horvitz_thompson_weights, keep_probabilities
@@ -40,3 +42,65 @@ def test_weights_are_bounded_and_the_loss_finite_at_a_tiny_floor(tmp_path, tiny_
     assert float(weights.max()) <= 1 / floor + 1e-6
     loss, grad = dppo_loss_and_grad(trainer, batch, keep, weights)
     assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())
+
+
+class EmptyFirstCompletion(RecordingTrainer):
+    """The first completion of every generation batch is empty: the model stopped at once (only the EOS token,
+    which is what a zero-length answer is to TRL: its completion ids always end with the stop token)."""
+
+    def _generate(self, prompts):
+        out = list(super()._generate(prompts))
+        out[1] = [[self.processing_class.eos_token_id]] + list(out[1][1:])  # completion ids
+        out[3] = [""] + list(out[3][1:])  # completion texts
+        if out[4] is not None:  # sampler log-probs (vLLM)
+            out[4] = [out[4][0][:1]] + list(out[4][1:])
+        return tuple(out)
+
+
+# name: (config overrides, reward, trainer class, check(trainer, logs) of what the logs say happened)
+SCENARIOS = {
+    "all groups equal reward": (
+        {}, constant_reward, RecordingTrainer,
+        lambda t, logs: all(h["dppo/kept_fraction"] == 0 and h["dppo/zero_advantage_fraction"] == 1 for h in logs),
+    ),
+    "exactly one row kept": (
+        dict(prune_sampling="topk", completion_keep_rate=1 / 16), random_reward, RecordingTrainer,
+        lambda t, logs: all(int(r["dppo_keep"].sum()) == 1 for r in t.records)
+        and all(h["dppo/kept_fraction"] == 1 / 16 for h in logs),
+    ),
+    "a completion of length 0": (
+        {}, random_reward, EmptyFirstCompletion,
+        lambda t, logs: all(
+            r["completion_mask"][0].sum() == 1 and r["completion_ids"][0, 0] == t.processing_class.eos_token_id
+            for r in t.records
+        ),
+    ),
+    "every sequence longer than the packing budget": (
+        dict(max_packed_tokens=2), random_reward, RecordingTrainer,
+        lambda t, logs: all(0 < h["dppo/token_density"] <= 1 for h in logs),
+    ),
+    "num_iterations > 1 with a reference model": (
+        dict(num_iterations=3, beta=0.05), random_reward, RecordingTrainer,
+        lambda t, logs: len(t.records) == 1 and all(math.isfinite(h["kl"]) for h in logs),
+    ),
+    "more micro-steps than kept rows": (
+        dict(steps_per_generation=4, gradient_accumulation_steps=4, prune_sampling="topk",
+             completion_keep_rate=1 / 32), random_reward, RecordingTrainer,
+        lambda t, logs: all(int(r["dppo_keep"].sum()) == 1 for r in t.records),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_degenerate_batches_train_finitely_and_say_what_happened(tmp_path, tiny_model_dir, train_dataset, name):
+    overrides, reward, trainer_cls, check = SCENARIOS[name]
+    base = dict(max_steps=3, steps_per_generation=2, gradient_accumulation_steps=2)
+    args = cpu_config(tmp_path, **{**base, **overrides})
+    trainer = trainer_cls(tiny_model_dir, reward, args=args, train_dataset=train_dataset)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in logs)
+    assert all(bool(p.isfinite().all()) for p in trainer.model.parameters())
+    pruning_logs = [h for h in logs if "dppo/kept_fraction" in h]
+    assert pruning_logs and check(trainer, pruning_logs)
