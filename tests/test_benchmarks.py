@@ -110,3 +110,14 @@ def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
     assert (grpo["method"], dppo["method"]) == ("grpo", "dppo") and data["device"].startswith("cpu")
     assert grpo["step_ratio_to_grpo"] == 1.0 and dppo["kept_fraction"] == 0.5
     assert dppo["training_phase_s"] > 0 and "step s" in result.stdout
+
+
+def test_bench_balance_reports_the_imbalance_before_and_after(tmp_path):
+    import bench_balance
+
+    rows = bench_balance.main(["--worlds", "2", "4", "--keep-rates", "0.5", "--batches", "20",
+                               "--json", str(tmp_path / "b.json")])  # fmt: skip
+    assert [r["world"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["imbalance_after_median"] <= r["imbalance_before_median"]
+        assert r["imbalance_after_p95"] <= 1.1 + 1e-9 < r["imbalance_before_p95"] and 0 < r["rows_moved_fraction"] < 0.5
