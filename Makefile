@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test demo bench bench-train bench-gpu clean
+.PHONY: setup test test-multiprocess demo bench bench-train bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,12 +19,19 @@ setup: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
+# Two CPU processes (torchrun, gloo): no hang, identical ranks, rank balancing, kill/resume. Also in `make test`.
+test-multiprocess: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_multiprocess.py
+
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m dppo_trl.demo
 
 # End-to-end: GRPO vs DPPO vs the biased baselines, keep-rate sweeps, table + JSON + plots (~20 min here).
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --plots docs/images
+
+bench-gpu: $(STAMP)
+	bash benchmarks/gpu.sh
 
 bench-train: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_train.py
