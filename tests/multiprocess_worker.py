@@ -33,6 +33,15 @@ class Worker(DPPOTrainer):
             self.__dict__.setdefault("prompts", []).append([x["prompt"] for x in inputs])
         return out
 
+    def _draw_keep_mask(self, output, advantages):
+        if "first_draw" not in self.__dict__:  # this rank's part of the first generation batch, for the oracle
+            self.first_draw = {
+                "advantages": advantages.tolist(),  # already gathered: the whole batch
+                "completion_lengths": output["completion_mask"].sum(1).tolist(),
+                "prompt_lengths": output["prompt_mask"].sum(1).tolist(),
+            }
+        return super()._draw_keep_mask(output, advantages)
+
 
 class StopAt(TrainerCallback):
     def __init__(self, step):
@@ -90,6 +99,8 @@ def main(argv):
         "rank_imbalance": [h["dppo/rank_imbalance"] for h in logs],
         "rank_imbalance_before": [h["dppo/rank_imbalance_before"] for h in logs],
         "finite": all(bool(p.isfinite().all()) for p in params.values()),
+        "first_draw": trainers[0].first_draw,
+        "first_log": next(h for h in trainers[0].state.log_history if "dppo/kept_fraction" in h),
     }
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
 

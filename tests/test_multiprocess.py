@@ -37,10 +37,38 @@ def torchrun(out_dir, model_dir, *worker_args):
 
 
 @pytest.mark.parametrize("sampling,rate", [("systematic", 0.5), ("topk", 0.03)])
-def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, sampling, rate):
+def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sampling, rate):
     ranks, _ = torchrun(tmp_path, tiny_model_dir, sampling, rate, 4)
     if sampling == "topk":  # one row kept in a batch of 32: one rank has nothing to train on
         assert any(0 in pair for pair in zip(ranks[0]["local_kept"], ranks[1]["local_kept"]))
+    # Oracle: one process holding the same global batch (twice the rows per device) draws the same mask and
+    # logs the same pruning metrics.
+    from conftest import cpu_config, random_reward
+
+    from dppo_trl import DPPOTrainer
+
+    args = cpu_config(tmp_path / "single", per_device_train_batch_size=16, beta=0.05, steps_per_generation=2,
+                      gradient_accumulation_steps=2, num_iterations=2, completion_keep_rate=rate,
+                      prune_sampling=sampling)  # fmt: skip
+    single = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    draw = ranks[0]["first_draw"]
+    advantages = torch.tensor(draw["advantages"])
+    lengths = {k: torch.tensor(ranks[0]["first_draw"][k] + ranks[1]["first_draw"][k]) for k in
+               ("completion_lengths", "prompt_lengths")}  # fmt: skip
+    columns = torch.arange(int(max(lengths["completion_lengths"].max(), lengths["prompt_lengths"].max())))
+    output = {
+        "advantages": advantages,
+        "completion_mask": (columns[None] < lengths["completion_lengths"][:, None]).long(),
+        "prompt_mask": (columns.flip(0)[None] < lengths["prompt_lengths"][:, None]).long(),
+    }
+    single._draw_keep_mask(output, advantages)
+    assert single.last_global_keep.int().tolist() == ranks[0]["masks"][0]
+    logged = ranks[0]["first_log"]
+    assert {"dppo/kept_fraction", "dppo/kept_token_fraction", "dppo/ess", "dppo/compute_saved"} <= set(
+        single._metrics["train"]
+    )
+    for key, values in single._metrics["train"].items():
+        assert logged[key] == pytest.approx(values[0], rel=1e-6, abs=1e-9), key
 
 
 def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_dir):
