@@ -43,11 +43,18 @@ METHODS = {
 # The sweeps that set the defaults: one knob at a time around the `dppo` method.
 SWEEPS = {
     "completion_keep_rate": {f"keep={r}": dict(completion_keep_rate=r) for r in (1.0, 0.75, 0.5, 0.25)},
-    "prompt_keep_rate": {
-        f"prompt={r}": dict(completion_keep_rate=0.5, prompt_keep_rate=r) for r in (1.0, 0.75, 0.5, 0.25)
+    "prompt_keep_rate": {  # prompt=1.0 is `dppo` itself (and reuses its runs)
+        f"prompt={r}": dict(completion_keep_rate=0.5, **({"prompt_keep_rate": r} if r < 1 else {}))
+        for r in (1.0, 0.75, 0.5, 0.25)
     },
 }
 PHASES = ("generation", "scoring", "loss", "other")
+PHASE_LABELS = {
+    "generation": "generation",
+    "scoring": "rewards + log-prob passes",
+    "loss": "loss forward + backward",
+    "other": "optimizer, logging, other",
+}
 
 
 def timed(trainer_cls):
@@ -336,9 +343,15 @@ def print_table(rows, title):
         )
 
 
+def seed_mean(curves):
+    """Element-wise mean of (x, y) curves of equal layout (one per seed), cut to the shortest."""
+    size = min(len(x) for x, _ in curves)
+    return tuple([statistics.mean(c[k][i] for c in curves) for i in range(size)] for k in (0, 1))
+
+
 def plot(runs, rows, methods, window, directory, prefix):
-    """Reward and held-out accuracy vs wall time (seed 0 of each method... every seed, thin lines) and the
-    training-phase time breakdown; PNG files under ``directory``."""
+    """Reward and held-out accuracy vs wall time (each the mean over seeds, point by point) and the phase
+    breakdown; PNG files under ``directory``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -349,19 +362,21 @@ def plot(runs, rows, methods, window, directory, prefix):
     colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
     written = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for run in runs:
-        if run["method"] not in colors:
+    for method in methods:
+        mine = [r for r in runs if r["method"] == method]
+        if not mine:
             continue
-        label = run["method"] if run["seed"] == min(r["seed"] for r in runs) else None
-        walls, reward = reward_curve(run, window)
-        axes[0].plot(walls, reward, color=colors[run["method"]], lw=1.2, alpha=0.8, label=label)
-        evals = run["evals"]
-        axes[1].plot([e["wall"] for e in evals], [e["accuracy"] for e in evals], marker="o", ms=3,
-                     color=colors[run["method"]], lw=1.2, alpha=0.8, label=label)  # fmt: skip
-    axes[0].set(xlabel="wall seconds (evaluation excluded)", ylabel=f"sampled reward (trailing mean of {window})",
-                title="Reward vs wall time")  # fmt: skip
+        walls, reward = seed_mean([reward_curve(r, window) for r in mine])
+        axes[0].plot(walls, reward, color=colors[method], lw=1.4, label=method)
+        walls, accuracy = seed_mean(
+            [([e["wall"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]]) for r in mine]
+        )
+        axes[1].plot(walls, accuracy, marker="o", ms=3, color=colors[method], lw=1.4, label=method)
+    seeds = len({r["seed"] for r in runs})
+    axes[0].set(xlabel="wall seconds (evaluation excluded)", title=f"Reward vs wall time (mean of {seeds} seeds)",
+                ylabel=f"sampled reward (trailing mean of {window} batches)")  # fmt: skip
     axes[1].set(xlabel="wall seconds (evaluation excluded)", ylabel="greedy held-out accuracy",
-                title="Held-out accuracy vs wall time")  # fmt: skip
+                title=f"Held-out accuracy vs wall time (mean of {seeds} seeds)")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -376,10 +391,10 @@ def plot(runs, rows, methods, window, directory, prefix):
     left = [0.0] * len(rows)
     for phase in PHASES:
         widths = [statistics.median(s["phases"][phase] for s in r["per_seed"]) for r in rows]
-        ax.barh(names, widths, left=left, label=phase)
+        ax.barh(names, widths, left=left, label=PHASE_LABELS[phase])
         left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis()
-    ax.set(xlabel="seconds (median over seeds)", title="Where the time goes (same data budget)")
+    ax.set(xlabel="seconds (median over seeds)", title="Where the time goes (same number of optimizer steps)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = directory / f"{prefix}_breakdown.png"
@@ -445,7 +460,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of a few steps")
     parser.add_argument("--json", default="benchmarks/results/bench_e2e.json")
     parser.add_argument("--plots", default=None, help="directory for PNG plots (e.g. docs/images)")
+    parser.add_argument("--from-json", default=None, help="train nothing: print the tables and plot a saved run")
     args = parser.parse_args(argv)
+    if args.from_json:
+        return replot(args.from_json, args.plots)
     torch.set_num_threads(1)
     started = time.perf_counter()
 
@@ -493,22 +511,40 @@ def main(argv=None):
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = {group: [{k: v for k, v in r.items() if k != "per_seed"} for r in rows] for group, rows in tables.items()}
-    out.write_text(
-        json.dumps(
-            {
-                "config": vars(args),
-                "trainer_args": setup["trainer_args"],
-                "elapsed_s": time.perf_counter() - started,
-                "summary": summary,
-                "tables": tables,
-                "runs": runs,
-                "plots": plots,
-            },
-            indent=1,
-        )
-    )
+    runs_file = runs_path(out)
+    runs_file.write_text(json.dumps(runs, separators=(",", ":")))  # per-step records: large, not committed
+    saved = {
+        "config": vars(args),
+        "trainer_args": setup["trainer_args"],
+        "elapsed_s": time.perf_counter() - started,
+        "summary": summary,
+        "tables": tables,
+        "runs_file": runs_file.name,
+        "plots": plots,
+    }
+    out.write_text(json.dumps(saved, indent=1))
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s in all)")
     return tables
+
+
+def runs_path(summary_path: Path) -> Path:
+    """Where the per-step records of a run saved at ``summary_path`` go (``*_runs.json``, git-ignored)."""
+    return summary_path.with_name(summary_path.stem + "_runs.json")
+
+
+def replot(summary_path, directory):
+    """Tables (and plots, with ``directory``, from the per-step records beside it) of a run this program saved."""
+    saved = json.loads(Path(summary_path).read_text())
+    window = saved["config"]["window"]
+    for group, rows in saved["tables"].items():
+        print_table(rows, f"{group} ({saved['trainer_args']})")
+        if directory:
+            names = [r["method"] for r in rows]
+            seeds = saved["config"]["seeds"] if group == "methods" else saved["config"]["sweep_seeds"]
+            runs = json.loads(runs_path(Path(summary_path)).read_text())
+            group_runs = [r for r in runs if r["method"] in names and r["seed"] in seeds]
+            print(", ".join(plot(group_runs, rows, names, window, directory, f"bench_{group}")))
+    return saved["tables"]
 
 
 if __name__ == "__main__":

@@ -85,7 +85,8 @@ def test_bench_e2e_runs_every_method_and_sweep_and_plots(tmp_path, capsys):
         shares = row["phase_share"]
         assert shares["generation"] > 0 and shares["loss"] > 0 and abs(sum(shares.values()) - 1) < 1e-6
     data = json.loads(out.read_text())
-    pruned = [r for r in data["runs"] if r["method"] == "dppo+prompt"][0]
+    runs = json.loads((tmp_path / data["runs_file"]).read_text())
+    pruned = [r for r in runs if r["method"] == "dppo+prompt"][0]
     assert len(pruned["steps"]) == 12 + 8 and pruned["evals"][-1]["step"] == 20  # extension: 6 rounded up to 8
     # 4 generation batches per epoch: prompt pruning reweights from the second epoch on.
     assert any(g["population_reward"] != g["reward"] for g in pruned["generations"])
@@ -93,6 +94,8 @@ def test_bench_e2e_runs_every_method_and_sweep_and_plots(tmp_path, capsys):
                                                                       "keep=0.25"]  # fmt: skip
     assert len(data["plots"]) == 6 and all(Path(p).stat().st_size > 10_000 for p in data["plots"])
     assert "to target" in capsys.readouterr().out
+    replotted = bench_e2e.main(["--from-json", str(out), "--plots", str(tmp_path / "again")])
+    assert replotted == data["tables"] and len(list((tmp_path / "again").glob("*.png"))) == 6
 
 
 def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
