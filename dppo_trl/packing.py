@@ -17,6 +17,8 @@ No TRL import. Lengths are token counts of whole sequences (prompt + completion,
 
 from __future__ import annotations
 
+import heapq
+
 
 def _lpt_order(lengths: list[int]) -> list[int]:
     return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -31,11 +33,11 @@ def assign_microbatches(lengths: list[int], num_microbatches: int) -> list[list[
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r} must be >= 1")
     bins: list[list[int]] = [[] for _ in range(num_microbatches)]
-    loads = [0] * num_microbatches
+    heap = [(0, 0, b) for b in range(num_microbatches)]  # (load, rows, bin): the least loaded bin on top
     for i in _lpt_order(lengths):
-        target = min(range(num_microbatches), key=lambda b: (loads[b], len(bins[b]), b))
+        load, rows, target = heapq.heappop(heap)
         bins[target].append(i)
-        loads[target] += lengths[i]
+        heapq.heappush(heap, (load + lengths[i], rows + 1, target))
     return bins
 
 

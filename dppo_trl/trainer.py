@@ -117,8 +117,6 @@ class DPPOTrainer(GRPOTrainer):
         self._captured_logps: list | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        self._pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = "flash" in attention
         self.add_callback(DPPOSummaryCallback())
@@ -458,7 +456,7 @@ class DPPOTrainer(GRPOTrainer):
             value = output[key]
             fill = 1 if key == "importance_sampling_ratio" else 0
             if key in ("prompt_ids", "completion_ids"):
-                fill = self._pad_token_id
+                fill = self._tokenizer.pad_token_id
             if key.startswith("prompt_") and value.dim() > 1:
                 value = torch.nn.functional.pad(value, (int(prompt_width) - value.size(1), 0), value=fill)
             elif (
@@ -564,35 +562,42 @@ class DPPOTrainer(GRPOTrainer):
         call; a packed row shorter than the longest ends with filler tokens that form a sequence of their own."""
         real = attention_mask.bool()
         prompt_width = input_ids.size(1) - logits_to_keep
-        prompt_lengths = real[:, :prompt_width].sum(1).tolist()
         lengths = real.sum(1).tolist()
         rows = pack_rows(lengths, self._packed_budget(input_ids.size(1)))
-        width = max(sum(lengths[b] for b in row) for row in rows)
         device = input_ids.device
-        packed_ids = torch.full((len(rows), width), self._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
-        position_ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-        labels = torch.full((len(rows), width), -100, dtype=input_ids.dtype, device=device)
-        placement = []  # (packed row, first, end) of each original row's completion predictions
+        packed_row, start, used = [0] * len(lengths), [0] * len(lengths), []
         for r, row in enumerate(rows):
-            starts, positions = packed_layout(lengths, row)
-            used = len(positions)
-            packed_ids[r, :used] = torch.cat([input_ids[b][real[b]] for b in row])
-            position_ids[r, :used] = torch.tensor(positions, device=device)
-            position_ids[r, used:] = torch.arange(width - used, device=device)
-            for b, start in zip(row, starts):
-                first, end = start + prompt_lengths[b], start + lengths[b]
-                labels[r, first - 1 : end - 1] = packed_ids[r, first:end]  # position p predicts token p + 1
-                placement.append((b, r, first - 1, end - 1))
+            starts, _ = packed_layout(lengths, row)
+            for b, offset in zip(row, starts):
+                packed_row[b], start[b] = r, offset
+            used.append(sum(lengths[b] for b in row))
+        width = max(used)
+        # Every real token (b, t) goes to packed row packed_row[b], column start[b] + k (k: its rank in row b).
+        b, t = real.nonzero(as_tuple=True)
+        k = (real.cumsum(1) - 1)[b, t]
+        r = torch.tensor(packed_row, device=device)[b]
+        c = torch.tensor(start, device=device)[b] + k
+        packed_ids = torch.full((len(rows), width), self._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
+        packed_ids[r, c] = input_ids[b, t]
+        # Positions restart at 0 for each sequence; a row's tail of fillers counts on as a sequence of its own.
+        position_ids = torch.arange(width, device=device).unsqueeze(0) - torch.tensor(used, device=device)[:, None]
+        position_ids = position_ids.clamp(min=0)
+        position_ids[r, c] = k
+        # Completion token j of row b is predicted at the position before it: labels pre-shifted, never across
+        # a sequence boundary.
+        completion = t >= prompt_width
+        r, c, b, j = r[completion], c[completion], b[completion], (t - prompt_width)[completion]
+        labels = torch.full((len(rows), width), -100, dtype=input_ids.dtype, device=device)
+        labels[r, c - 1] = packed_ids[r, c]
         with self.accelerator.autocast():
             out = model(input_ids=packed_ids, position_ids=position_ids, shift_labels=labels, fused_lm_head=True)
-        zeros = torch.zeros(logits_to_keep, device=device)
-        logps, entropies = [zeros] * input_ids.size(0), [zeros] * input_ids.size(0)
-        for b, r, first, end in placement:
-            pad = zeros[: logits_to_keep - (end - first)]
-            logps[b] = torch.cat([out.log_probs[r, first:end].float(), pad])
-            if compute_entropy:
-                entropies[b] = torch.cat([out.entropy[r, first:end].float(), pad])
-        return torch.stack(logps), torch.stack(entropies) if compute_entropy else None, None
+        logps = torch.zeros(input_ids.size(0), logits_to_keep, device=device)
+        logps[b, j] = out.log_probs[r, c - 1].float()
+        entropies = None
+        if compute_entropy:
+            entropies = torch.zeros(input_ids.size(0), logits_to_keep, device=device)
+            entropies[b, j] = out.entropy[r, c - 1].float()
+        return logps, entropies, None
 
     def _kept_microbatches(self, batch) -> list[dict]:
         """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches, by
