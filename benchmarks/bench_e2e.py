@@ -386,7 +386,7 @@ def plot(runs, rows, methods, window, directory, prefix):
     plt.close(fig)
     written.append(str(path))
 
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     names = [r["method"] for r in rows]
     left = [0.0] * len(rows)
     for phase in PHASES:
@@ -395,7 +395,7 @@ def plot(runs, rows, methods, window, directory, prefix):
         left = [a + b for a, b in zip(left, widths)]
     ax.invert_yaxis()
     ax.set(xlabel="seconds (median over seeds)", title="Where the time goes (same number of optimizer steps)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4)
     fig.tight_layout()
     path = directory / f"{prefix}_breakdown.png"
     fig.savefig(path, dpi=110)
@@ -474,27 +474,24 @@ def main(argv=None):
 
     groups = {"methods": {m: METHODS[m] for m in args.methods}}
     for sweep in args.sweeps:
-        groups[sweep] = SWEEPS[sweep]
+        groups[sweep] = {"grpo": None, **SWEEPS[sweep]}
     runs, tables = [], {}
     for group, methods in groups.items():
         seeds = args.seeds if group == "methods" else args.sweep_seeds
         for seed in seeds:
             for name, settings in methods.items():
+                if any(r["method"] == name and r["seed"] == seed for r in runs):
+                    continue
                 cached = [r for r in runs if r["seed"] == seed and r["settings"] == settings]
-                if name == "grpo" or not cached:
-                    if name == "grpo" and any(r["method"] == "grpo" and r["seed"] == seed for r in runs):
-                        continue
-                    run = run_one(name, settings, seed, setup)
-                    print(f"[{time.perf_counter() - started:7.0f} s] {group} {name} seed {seed}: "
-                          f"{len(run['steps'])} steps, {run['steps'][-1]['wall']:.1f} s, "
-                          f"held-out {run['evals'][0]['accuracy']:.3f} -> {run['evals'][-1]['accuracy']:.3f}",
-                          flush=True)  # fmt: skip
-                    runs.append(run)
-                else:  # the same settings under another name (e.g. keep=0.5 is `dppo`): reuse the run
+                if cached:  # the same settings under another name (e.g. keep=0.5 is `dppo`): reuse the run
                     runs.append(dict(cached[0], method=name))
-        if group != "methods" and not any(r["method"] == "grpo" and r["seed"] in seeds for r in runs):
-            for seed in seeds:
-                runs.append(run_one("grpo", None, seed, setup))
+                    continue
+                run = run_one(name, settings, seed, setup)
+                print(f"[{time.perf_counter() - started:7.0f} s] {group} {name} seed {seed}: "
+                      f"{len(run['steps'])} steps, {run['steps'][-1]['wall']:.1f} s, "
+                      f"held-out {run['evals'][0]['accuracy']:.3f} -> {run['evals'][-1]['accuracy']:.3f}",
+                      flush=True)  # fmt: skip
+                runs.append(run)
         names = ["grpo", *[m for m in methods if m != "grpo"]]
         group_runs = [r for r in runs if r["method"] in names and r["seed"] in seeds]
         tables[group] = summarize(group_runs, names, args.window)
