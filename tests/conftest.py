@@ -4,6 +4,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from dppo_trl.toy import addition_dataset, addition_pairs, exact_answer_reward, save_tiny_model  # noqa: E402
 
@@ -50,3 +51,15 @@ def cpu_config(tmp_path, cls=None, **overrides):
 
 
 REWARDS = [random_reward, exact_answer_reward]
+
+
+class StopAt(TrainerCallback):
+    """Saves a checkpoint at ``step`` and stops there: the first half of a kill-and-resume test."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_save = True
+            control.should_training_stop = True

@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import cpu_config, random_reward  # noqa: E402
+from conftest import StopAt, cpu_config, random_reward  # noqa: E402
 
 from dppo_trl import DPPOTrainer  # noqa: E402
 from dppo_trl.toy import addition_dataset, addition_pairs  # noqa: E402
@@ -41,16 +40,6 @@ class Worker(DPPOTrainer):
                 "prompt_lengths": output["prompt_mask"].sum(1).tolist(),
             }
         return super()._draw_keep_mask(output, advantages)
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
 
 
 def main(argv):

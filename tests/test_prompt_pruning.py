@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from conftest import cpu_config
+from conftest import StopAt, cpu_config
 from test_trainer import RecordingTrainer, params_of
-from transformers import TrainerCallback
 from trl.trainer.utils import RepeatSampler
 
 from dppo_trl import DPPOConfig, DPPOTrainer
@@ -183,16 +182,6 @@ def test_keep_rate_one_is_the_core_trainer_bit_for_bit(tmp_path, tiny_model_dir,
     assert runs[1]._prompt_sampler is None
     for name, p in params_of(runs[0]).items():
         assert torch.equal(p, params_of(runs[1])[name])
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
 
 
 def test_max_steps_runs_take_exactly_max_steps_across_pruned_epochs(tmp_path, tiny_model_dir, small_dataset):
