@@ -20,6 +20,11 @@ def train_dataset():
     return addition_dataset(train[:64])
 
 
+def coarse_reward(completions, **kwargs):
+    """A reward that is often equal inside a small group (so some groups have zero advantage variance)."""
+    return [float(len(c) > 3) for c in completions]
+
+
 def random_reward(completions, **kwargs):
     """A reward with spread (so advantages are non-zero) that depends only on the completion text."""
     return [float((sum(map(ord, c)) * 7919) % 5) for c in completions]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import StopAt, cpu_config
+from conftest import StopAt, coarse_reward, cpu_config
 from test_trainer import RecordingTrainer, params_of
 from trl.trainer.utils import RepeatSampler
 
@@ -114,10 +114,6 @@ def test_sampler_steps_are_unbiased_statistically():
     mean, stderr = estimates.mean(0), estimates.std(0) / math.sqrt(len(estimates))
     assert torch.all((mean - g.mean(0)).abs() < 4 * stderr), (mean, g.mean(0), stderr)
     assert sampler.epoch > 1.3 * 3000  # it walked more data epochs than iterations: it did skip prompts
-
-
-def coarse_reward(completions, **kwargs):
-    return [float(len(c) > 3) for c in completions]
 
 
 @pytest.fixture(scope="module")

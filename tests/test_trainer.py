@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
+from conftest import coarse_reward, cpu_config, random_reward
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
@@ -275,9 +275,6 @@ def test_topk_keeps_the_largest_advantages_unweighted(tmp_path, tiny_model_dir, 
 
 
 def test_zero_variance_drops_exactly_the_equal_reward_groups(tmp_path, tiny_model_dir, train_dataset):
-    def coarse_reward(completions, **kwargs):  # often equal inside a group of 4
-        return [float(len(c) > 3) for c in completions]
-
     trainer = train(
         RecordingTrainer,
         tmp_path,
