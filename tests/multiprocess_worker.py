@@ -92,6 +92,9 @@ def main(argv):
         "first_log": next(h for h in trainers[0].state.log_history if "dppo/kept_fraction" in h),
     }
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    # Without this, gloo's worker threads can outlive the interpreter and abort the process at exit (SIGABRT,
+    # "terminate called without an active exception"), failing a run that finished.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ resumed with prompt pruning on ends where an uninterrupted one does."""
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,11 +19,9 @@ def torchrun(out_dir, model_dir, *worker_args):
     """Run the worker on 2 CPU processes; return each rank's record and the parameters of rank 0 and 1."""
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert launcher, "torchrun comes with torch"
-    with socket.socket() as free:  # a free loopback port for the rendezvous
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    command = [launcher, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-               str(WORKER), model_dir, str(out_dir), *map(str, worker_args)]  # fmt: skip
+    # --standalone: the launcher binds a free local port itself (a port picked here could be taken before it binds)
+    command = [launcher, "--standalone", "--nproc_per_node", "2", str(WORKER), model_dir, str(out_dir),
+               *map(str, worker_args)]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
