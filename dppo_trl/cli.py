@@ -100,10 +100,6 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
 
     with _dppo_in_place_of_grpo():
         grpo_main(script_args, training_args, model_args, dataset_args)
-    # A process group left alive at interpreter exit can abort a finished run (gloo's threads: SIGABRT).
-    from accelerate import PartialState
-
-    PartialState().destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,9 +92,13 @@ def main(argv):
         "first_log": next(h for h in trainers[0].state.log_history if "dppo/kept_fraction" in h),
     }
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    # Without this, gloo's worker threads can outlive the interpreter and abort the process at exit (SIGABRT,
-    # "terminate called without an active exception"), failing a run that finished.
-    trainer.accelerator.end_training()
+    # Leave without running destructors: freeing DDP's reducer frees its gloo process group, whose destructor
+    # joins gloo's worker thread while holding the GIL, and that thread may still need the GIL to free the last
+    # gather's tensors. Depending on when that happens, a finished rank hangs or aborts at exit (a torch race:
+    # pytorch/pytorch#56297, #179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

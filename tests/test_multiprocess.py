@@ -4,7 +4,9 @@ moved between ranks to balance them train exactly as they would have where they 
 resumed with prompt pruning on ends where an uninterrupted one does."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +24,15 @@ def torchrun(out_dir, model_dir, *worker_args):
     # --standalone: the launcher binds a free local port itself (a port picked here could be taken before it binds)
     command = [launcher, "--standalone", "--nproc_per_node", "2", str(WORKER), model_dir, str(out_dir),
                *map(str, worker_args)]  # fmt: skip
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    # Its own process group, so that a hang is killed with the workers (torchrun alone would leave them behind).
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = run.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        _, stderr = run.communicate()
+        pytest.fail(f"no result after 300 s (a hang?):\n{stderr[-3000:]}")
+    assert run.returncode == 0, stderr[-3000:]
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     params = [torch.load(out_dir / f"params{r}.pt") for r in range(2)]
     assert all(r["world"] == 2 and r["finite"] for r in ranks)
