@@ -22,6 +22,7 @@ The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing`` and ``dppo_trl.prom
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -394,12 +395,9 @@ class DPPOTrainer(GRPOTrainer):
 
         sequence_lengths = lengths + prompt_lengths
         self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
-        self._kept_lengths_per_rank = [
-            sequence_lengths[r * local_rows : (r + 1) * local_rows][
-                keep[r * local_rows : (r + 1) * local_rows]
-            ].tolist()
-            for r in range(self.accelerator.num_processes)
-        ]
+        world = self.accelerator.num_processes
+        per_rank = zip(sequence_lengths.view(world, local_rows), keep.view(world, local_rows))
+        self._kept_lengths_per_rank = [lengths[kept].tolist() for lengths, kept in per_rank]
         if self.args.completion_pruning:
             self._log_pruning_metrics(keep, weights, pi, advantages, lengths.float(), sequence_lengths.float())
         local = self._local(local_rows)
@@ -448,7 +446,9 @@ class DPPOTrainer(GRPOTrainer):
         prompt_width, completion_width = self.accelerator.gather(widths.to(self.accelerator.device)).view(-1, 2).amax(0)
         sequence_is = str(self.vllm_importance_sampling_mode).startswith("sequence")
         local_completion_width = output["completion_ids"].size(1)
-        received = [(src, k) for src, k in plan[me] if src != me]
+        leaving = kept[[k for k, _ in outgoing[me]]]
+        # Row of the gathered slots that holds each row this rank receives.
+        arriving = [src * slots + outgoing[src].index((k, me)) for src, k in plan[me] if src != me]
         out = dict(output)
         for key in sorted(
             k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() and len(v) == local_rows
@@ -466,12 +466,9 @@ class DPPOTrainer(GRPOTrainer):
             ):
                 value = torch.nn.functional.pad(value, (0, int(completion_width) - value.size(1)), value=fill)
             send = value.new_zeros(slots, *value.shape[1:]) if key != "dppo_keep" else value.new_ones(slots)
-            for j, (k, _) in enumerate(outgoing[me]):
-                send[j] = value[kept[k]]
+            send[: len(leaving)] = value[leaving]
             gathered = self.accelerator.gather(send if key != "dppo_keep" else send.long()).to(value.dtype)
-            rows = [src * slots + outgoing[src].index((k, me)) for src, k in received]
-            out[key] = torch.cat([value, gathered[rows]])
-        leaving = kept[[k for k, _ in outgoing[me]]]
+            out[key] = torch.cat([value, gathered[arriving]])
         out["dppo_keep"][leaving] = False
         out["dppo_weight"][leaving] = 0.0
         self._kept_lengths_per_rank = [[length(row) for row in rows] for rows in plan]
@@ -494,23 +491,25 @@ class DPPOTrainer(GRPOTrainer):
         else:
             most = max(len(r) for r in self._kept_lengths_per_rank)
             num_calls = max(1, math.ceil(most / self.args.per_device_train_batch_size))
-        groups = [part for part in torch.tensor_split(rows, num_calls)]
+        groups = torch.tensor_split(rows, num_calls)
         # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
         has_ref = int(self.beta != 0.0)
         names = ["old_per_token_logps"] * (len(calls) - has_ref) + ["ref_per_token_logps"] * has_ref
         for name, model in zip(names, calls):
             full = output[name]
-            for group in groups:
-                ids, mask = (input_ids[group], attention_mask[group]) if group.numel() else (input_ids[:1], filler_mask)
-                with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                    if name == "ref_per_token_logps" and self.ref_model is None:
-                        unwrapped = self.accelerator.unwrap_model(self.model)
-                        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                            logps = self._logps_of(self.model, ids, mask, logits_to_keep, ids.size(0))
-                    else:
-                        logps = self._logps_of(model, ids, mask, logits_to_keep, ids.size(0))
-                if group.numel():
-                    full[group] = logps.to(full.dtype)
+            adapter = contextlib.nullcontext()
+            if name == "ref_per_token_logps" and self.ref_model is None:  # the reference is the policy's base/adapter
+                unwrapped = self.accelerator.unwrap_model(self.model)
+                adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+                model = self.model
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), adapter:
+                for group in groups:
+                    if group.numel():
+                        logps = self._logps_of(model, input_ids[group], attention_mask[group], logits_to_keep,
+                                               group.numel())  # fmt: skip
+                        full[group] = logps.to(full.dtype)
+                    else:  # this rank has no row for this call: one filler keeps the call counts equal
+                        self._logps_of(model, input_ids[:1], filler_mask, logits_to_keep, 1)
         if "importance_sampling_ratio" in output:  # on every rank: it gathers metrics
             self._recompute_vllm_importance_sampling(output, rows)
 
