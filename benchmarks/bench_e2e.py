@@ -75,8 +75,8 @@ def timed(trainer_cls):
             finally:
                 self.bench_phase["generation"] += time.perf_counter() - start
 
-        def _take_prompt_decision(self, inputs, output, scores):
-            weights = super()._take_prompt_decision(inputs, output, scores)
+        def _take_prompt_decision(self, inputs, scores):
+            weights = super()._take_prompt_decision(inputs, scores)
             self._bench_prompt_weights = weights.detach().double().cpu()
             return weights
 

@@ -92,7 +92,7 @@ def training_phase(trainer, batch, kind):
     from trl import GRPOTrainer
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-    from dppo_trl.packing import packed_allocation
+    from dppo_trl.packing import packed_allocation, plan_forward_calls
 
     batch = {k: v.clone() for k, v in batch.items()}
     spg = trainer.args.steps_per_generation
@@ -109,16 +109,17 @@ def training_phase(trainer, batch, kind):
         real, allocated = 2 * float(lengths.sum()), 2 * float(ids.numel())
     else:
         batch["ref_per_token_logps"] = torch.zeros(ids.size(0), width)
-        keep, weights = trainer._draw_keep_mask(batch, trainer._global_scores(batch))
+        keep, weights, _ = trainer._draw_keep_mask(batch, batch["advantages"].abs())
         trainer._run_deferred_logps(batch, [trainer.ref_model], keep)
         batch["dppo_keep"], batch["dppo_weight"] = keep, weights.float()
         microbatches = trainer._kept_microbatches(shuffle_sequence_dict(batch))
         kept_real = float(lengths[keep].sum())
         real = 2 * kept_real
         if kind == "dppo+packing":
-            budget = trainer._packed_budget(ids.size(1))
-            allocated = packed_allocation(lengths[keep].tolist(), budget) + sum(
-                packed_allocation((mb["prompt_mask"].sum(1) + mb["completion_mask"].sum(1)).tolist(), budget)
+            budget, call = trainer._packed_budget(ids.size(1)), trainer.args.per_device_train_batch_size * ids.size(1)
+            calls = plan_forward_calls(lengths[keep].tolist(), trainer.args.per_device_train_batch_size, budget, call)
+            allocated = sum(packed_allocation([int(lengths[keep][i]) for i in g], budget, call) for g in calls) + sum(
+                packed_allocation((mb["prompt_mask"].sum(1) + mb["completion_mask"].sum(1)).tolist(), budget, call)
                 for mb in microbatches
             )
         else:

@@ -173,6 +173,14 @@ class DPPOConfig(GRPOConfig):
                 raise ValueError(f"keep_floor={self.keep_floor!r} {off}.")
             if self.prune_seed is not None and not self.prompt_pruning:
                 raise ValueError(f"prune_seed={self.prune_seed!r} {off} and prompt_keep_rate=1.0 (prompt pruning off).")
+        scale = self.scale_rewards if isinstance(self.scale_rewards, str) else "group" if self.scale_rewards else "none"
+        if self.prompt_pruning and (scale == "batch" or self.multi_objective_aggregation == "normalize_then_sum"):
+            raise ValueError(
+                f"prompt_keep_rate={self.prompt_keep_rate!r} cannot be combined with scale_rewards={scale!r} "
+                f"and multi_objective_aggregation={self.multi_objective_aggregation!r}: a batch-level reward statistic "
+                "over the accepted prompts is not GRPO's over the batch it would have drawn. Use scale_rewards='group' "
+                "or 'none' with multi_objective_aggregation='sum_then_normalize', or prompt_keep_rate=1.0."
+            )
         if not self.dppo_training_path:
             return
         self._validate_row_separable_loss()

@@ -13,37 +13,72 @@ No TRL import. Lengths are token counts of whole sequences (prompt + completion,
   restart at 0 for each sequence (transformers derives the block-diagonal causal mask from them).
 - ``balance_ranks``: which rank trains which kept row, moving as few rows as it can from the most to the least
   loaded rank until every rank's token load is within a tolerance of the mean (or no move helps).
+- ``pack_call`` / ``plan_forward_calls``: the packed rows of one forward call, and the calls of a pass, each
+  allocating no more tokens than TRL's largest call (``rows_per_call x padded width``).
+- ``packed_inputs``: the tensors of one packed call (ids, restarting ``position_ids``, pre-shifted labels, and
+  where each completion token lands), and ``varlen_kwargs``: the ``cu_seq_lens`` a variable-length attention
+  kernel needs to see the sequence boundaries.
+- ``exchange_plan``: which slots of a fixed-size all-gather carry the rows that change rank.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+
+import torch
+
+# Attention implementations whose kernel is variable-length (cost per sequence, boundaries from cu_seq_lens):
+# every name containing "flash", plus the names registered here (e.g. a CPU reference of flash's semantics).
+_VARLEN_ATTENTION: set[str] = set()
+
+
+def register_varlen_attention(name: str) -> None:
+    """Declare ``name`` (an ``attn_implementation``) a variable-length kernel: packed calls then pass
+    ``cu_seq_lens_q/k`` and ``max_length_q/k`` and one call may hold a whole micro-batch in one row."""
+    _VARLEN_ATTENTION.add(name)
+
+
+def is_varlen_attention(name: str | None) -> bool:
+    """Whether the ``attn_implementation`` ``name`` needs explicit sequence boundaries for packed rows."""
+    return bool(name) and ("flash" in name or name in _VARLEN_ATTENTION)
 
 
 def _lpt_order(lengths: list[int]) -> list[int]:
     return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
 
 
-def assign_microbatches(lengths: list[int], num_microbatches: int) -> list[list[int]]:
+def assign_microbatches(lengths: list[int], num_microbatches: int, max_rows: int | None = None) -> list[list[int]]:
     """Indices of the rows in each of ``num_microbatches`` bins (LPT; ties: fewer rows, then lower bin).
 
-    Deterministic, and the bins' (row count, token load) profile depends only on the multiset of lengths,
-    so every rank can compute every other rank's profile from the gathered lengths alone.
+    With ``max_rows``, a bin holding that many rows takes no more (the cap is raised to
+    ``ceil(rows / bins)`` when it could not hold every row). Deterministic, and the bins' (row count, token
+    load) profile depends only on the multiset of lengths, so every rank can compute every other rank's profile
+    from the gathered lengths alone.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r} must be >= 1")
+    cap = math.inf if max_rows is None else max(max_rows, -(-len(lengths) // num_microbatches))
     bins: list[list[int]] = [[] for _ in range(num_microbatches)]
     heap = [(0, 0, b) for b in range(num_microbatches)]  # (load, rows, bin): the least loaded bin on top
     for i in _lpt_order(lengths):
         load, rows, target = heapq.heappop(heap)
         bins[target].append(i)
-        heapq.heappush(heap, (load + lengths[i], rows + 1, target))
+        if rows + 1 < cap:  # a full bin leaves the heap
+            heapq.heappush(heap, (load + lengths[i], rows + 1, target))
     return bins
 
 
-def microbatch_row_counts(lengths: list[int], num_microbatches: int) -> list[int]:
-    """Rows in each bin of ``assign_microbatches(lengths, num_microbatches)``."""
-    return [len(b) for b in assign_microbatches(lengths, num_microbatches)]
+def microbatch_row_counts(lengths: list[int], num_microbatches: int, max_rows: int | None = None) -> list[int]:
+    """Rows in each bin of ``assign_microbatches(lengths, num_microbatches, max_rows)``."""
+    return [len(b) for b in assign_microbatches(lengths, num_microbatches, max_rows)]
+
+
+def microbatch_order(num_microbatches: int, generator: torch.Generator) -> list[int]:
+    """A random order of the micro-batches (the same on every rank given the same generator): LPT fills its
+    bins longest first, so without it the first optimizer steps of a generation batch would always take the
+    bins of the longest sequences when ``gradient_accumulation_steps < steps_per_generation``."""
+    return torch.randperm(num_microbatches, generator=generator).tolist()
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -70,10 +105,47 @@ def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
     return rows
 
 
-def packed_allocation(lengths: list[int], budget: int) -> int:
-    """Tokens one forward call allocates for ``pack_rows(lengths, budget)``: rows x the longest packed row."""
-    rows = pack_rows(lengths, budget)
+def _allocation(lengths: list[int], rows: list[list[int]]) -> int:
     return len(rows) * max((sum(lengths[i] for i in row) for row in rows), default=0)
+
+
+def packed_allocation(lengths: list[int], budget: int, call_budget: int | None = None) -> int:
+    """Tokens one forward call allocates for ``pack_call(lengths, budget, call_budget)``: rows x the longest
+    packed row."""
+    return _allocation(lengths, pack_call(lengths, budget, call_budget))
+
+
+def pack_call(lengths: list[int], row_budget: int, call_budget: int | None = None) -> list[list[int]]:
+    """The packed rows of one forward call: ``pack_rows`` at ``min(row_budget, call_budget)``; when that
+    allocates more than ``call_budget``, one sequence per row instead (then ``rows x longest``, which is at
+    most TRL's padded call of the same rows)."""
+    if call_budget is None:
+        return pack_rows(lengths, row_budget)
+    rows = pack_rows(lengths, max(1, min(row_budget, call_budget)))
+    if _allocation(lengths, rows) > call_budget and lengths:
+        rows = [[i] for i in _lpt_order(lengths)]
+    return rows
+
+
+def plan_forward_calls(lengths: list[int], max_rows: int, row_budget: int, call_budget: int) -> list[list[int]]:
+    """The sequences of each forward call of a no-grad pass (old-policy, reference): as few calls as keep
+    every call's ``pack_call`` allocation within ``call_budget``, trying from ``ceil(tokens / call_budget)``
+    calls up to ``ceil(len / max_rows)`` calls of at most ``max_rows`` sequences (which always fits when
+    ``call_budget >= max_rows x max(lengths)``, TRL's chunk). At least one call (an empty one when there is
+    nothing to forward). The number of calls depends only on the multiset of lengths."""
+    if not lengths:
+        return [[]]
+    most = -(-len(lengths) // max(1, max_rows))
+    fewest = min(most, max(1, -(-sum(lengths) // max(1, call_budget))))
+    for calls in range(fewest, most + 1):
+        groups = assign_microbatches(lengths, calls, None if calls < most else max_rows)
+        if calls == most or all(
+            _allocation([lengths[i] for i in g], pack_call([lengths[i] for i in g], row_budget, call_budget))
+            <= call_budget
+            for g in groups
+        ):
+            return groups
+    return groups  # unreachable: the loop returns at calls == most
 
 
 def packed_layout(lengths: list[int], row: list[int]) -> tuple[list[int], list[int]]:
@@ -130,3 +202,64 @@ def balance_ranks(lengths_per_rank: list[list[int]], tolerance: float = 0.1) -> 
         held[light].append(row)
         loads[heavy] -= length(row)
         loads[light] += length(row)
+
+
+def packed_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, rows: list[list[int]], pad_id: int
+) -> dict:
+    """The tensors of one padding-free call over the padded batch ``input_ids`` (B, W): each row's real tokens
+    laid back to back in the packed rows ``rows`` (positions into the batch), ``position_ids`` restarting at
+    0 for each sequence (a row's tail of pad fillers counts on as a sequence of its own), and ``shift_labels``
+    pre-shifted so that no position predicts across a sequence boundary. ``index`` = (packed row, packed
+    column, batch row, completion column) of every completion token, where its log-prob is read (at
+    column - 1) and written back in TRL's ``(B, logits_to_keep)`` layout."""
+    real = attention_mask.bool()
+    device = input_ids.device
+    lengths = real.sum(1).tolist()
+    packed_row, start, used = [0] * len(lengths), [0] * len(lengths), []
+    for r, row in enumerate(rows):
+        offset = 0
+        for b in row:
+            packed_row[b], start[b] = r, offset
+            offset += lengths[b]
+        used.append(offset)
+    width = max(max(used, default=0), 1)
+    # Every real token (b, t) goes to packed row packed_row[b], column start[b] + k (k: its rank in row b).
+    b, t = real.nonzero(as_tuple=True)
+    k = (real.cumsum(1) - 1)[b, t]
+    r = torch.tensor(packed_row, device=device, dtype=torch.long)[b]
+    c = torch.tensor(start, device=device, dtype=torch.long)[b] + k
+    ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype, device=device)
+    ids[r, c] = input_ids[b, t]
+    position_ids = torch.arange(width, device=device).unsqueeze(0) - torch.tensor(used, device=device)[:, None]
+    position_ids = position_ids.clamp(min=0)
+    position_ids[r, c] = k
+    completion = t >= input_ids.size(1) - logits_to_keep
+    r, c, b, j = r[completion], c[completion], b[completion], (t - (input_ids.size(1) - logits_to_keep))[completion]
+    labels = torch.full((len(rows), width), -100, dtype=input_ids.dtype, device=device)
+    labels[r, c - 1] = ids[r, c]
+    return {"input_ids": ids, "position_ids": position_ids, "shift_labels": labels, "index": (r, c, b, j)}
+
+
+def varlen_kwargs(position_ids: torch.Tensor) -> dict:
+    """``cu_seq_lens_q/k`` and ``max_length_q/k`` of the packed rows, flattened row after row: a sequence
+    starts wherever ``position_ids`` is 0. transformers' flash path takes them for any batch size, where it
+    would otherwise find boundaries from ``position_ids`` only in a batch of one row."""
+    flat = position_ids.reshape(-1)
+    starts = (flat == 0).nonzero().flatten().to(torch.int32)
+    cu = torch.cat([starts, torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)])
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def exchange_plan(plan: list[list[tuple[int, int]]], me: int) -> tuple[int, list[int], list[int]]:
+    """For rank ``me`` under a ``balance_ranks`` plan: the slots of the fixed-size all-gather (the most rows any
+    rank sends), the positions (into this rank's kept rows) of the rows it sends, in slot order, and the
+    gathered rows (``source rank x slots + slot``) it receives, in the order the plan lists them."""
+    world = len(plan)
+    outgoing = [sorted((k, dest) for dest in range(world) for src, k in plan[dest] if src == r and dest != r)
+                for r in range(world)]  # fmt: skip
+    slots = max((len(rows) for rows in outgoing), default=0)
+    leaving = [k for k, _ in outgoing[me]]
+    arriving = [src * slots + outgoing[src].index((k, me)) for src, k in plan[me] if src != me]
+    return slots, leaving, arriving

@@ -141,6 +141,19 @@ def zero_variance_mask(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return varied.repeat_interleave(group_size)
 
 
+def zero_spread_rows(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Rows of the groups whose (non-NaN) rewards are all equal: their advantage is exactly 0 in exact
+    arithmetic (TRL's float32 value can be 1e-4), so they score exactly 0."""
+    return ~zero_variance_mask(rewards, group_size)
+
+
+def prompt_weighted_token_count(loss_tokens: torch.Tensor, prompt_weights: torch.Tensor) -> float:
+    """``sum_n w_n T_n`` over the accepted generation batch (prompt weights ``w = q_bar / q``): the
+    Horvitz-Thompson estimate of the loss-token count of the batch GRPO would have drawn, the normalizer of
+    the token-mean loss types (``bnpo``, ``dapo``, ``cispo``, ``vespo``) under prompt pruning."""
+    return float((loss_tokens.to(torch.float64) * prompt_weights.to(torch.float64)).sum())
+
+
 def horvitz_thompson_weights(pi: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``1 / pi`` on kept rows, 0 elsewhere."""
     pi = pi.detach().to(torch.float64)

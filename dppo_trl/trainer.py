@@ -36,15 +36,21 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
 from .config import DPPOConfig
+from .metrics import ratio, weighted_mean_stats
 from .packing import (
     assign_microbatches,
     balance_ranks,
     default_packed_tokens,
+    exchange_plan,
+    is_varlen_attention,
+    microbatch_order,
     microbatch_row_counts,
-    pack_rows,
+    pack_call,
     packed_allocation,
-    packed_layout,
+    packed_inputs,
+    plan_forward_calls,
     rank_imbalance,
+    varlen_kwargs,
 )
 from .prompts import PromptPruningSampler
 from .pruning import (
@@ -55,10 +61,12 @@ from .pruning import (
     keep_probabilities,
     microbatch_sizes,
     poisson_sample,
+    prompt_weighted_token_count,
     systematic_sample,
     topk_mask,
     trl_microbatch_normalizer,
     vllm_importance_sampling_ratio,
+    zero_spread_rows,
     zero_variance_mask,
 )
 
@@ -119,7 +127,7 @@ class DPPOTrainer(GRPOTrainer):
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
-        self._varlen_attention = "flash" in attention
+        self._varlen_attention = is_varlen_attention(attention)
         self.add_callback(DPPOSummaryCallback())
         if args.prompt_pruning and args.max_steps <= 0:
             self.add_callback(
@@ -137,9 +145,21 @@ class DPPOTrainer(GRPOTrainer):
 
     def _global_scores(self, output) -> torch.Tensor:
         """Every rank's advantages, gathered (a fixed-size gather), one per row: the advantage itself, or the
-        largest |A| of the row where a subclass gives per-token advantages."""
+        largest |A| of the row where a subclass gives per-token advantages. A group whose rewards have zero
+        spread scores exactly 0 (TRL's float32 A of such a group can be 1e-4) where its A is 0 in exact
+        arithmetic, i.e. unless ``normalize_then_sum`` shifts every row by the batch mean."""
         advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
-        return advantages.abs().amax(dim=1) if advantages.dim() > 1 else advantages
+        scores = advantages.abs().amax(dim=1) if advantages.dim() > 1 else advantages
+        if self.args.multi_objective_aggregation == "sum_then_normalize":
+            scores = torch.where(zero_spread_rows(self._aggregated_rewards(), self.num_generations), 0.0, scores)
+        return scores
+
+    def _aggregated_rewards(self) -> torch.Tensor:
+        """The generation batch's weighted reward sums (all ranks), NaN where every reward function gave None."""
+        per_func = self._last_rewards_per_func
+        rewards = (per_func * self.reward_weights.to(per_func.device)).nansum(1)
+        rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+        return rewards.cpu()
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         calls = self._deferred_logp_calls
@@ -156,7 +176,7 @@ class DPPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
             )
         if self._captured_logps is not None:
-            self._captured_logps.append(out[0])
+            self._captured_logps.append(out)
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -178,10 +198,18 @@ class DPPOTrainer(GRPOTrainer):
                 "yet; set completion_keep_rate=1.0, prompt_keep_rate=1.0 and packing=False."
             )
         scores = self._global_scores(output)
-        keep, weights = self._draw_keep_mask(output, scores)
+        keep, weights, pi = self._draw_keep_mask(output, scores)
         if self.args.prompt_pruning:
-            weights = weights * self._take_prompt_decision(inputs, output, scores)
-        output["dppo_keep"], output["dppo_weight"] = keep, weights
+            prompt_weights = self._take_prompt_decision(inputs, scores)
+            weights = weights * prompt_weights
+            # The token-mean normalizer counts the batch GRPO would have drawn, not the accepted one.
+            loss_tokens = self.accelerator.gather(loss_mask(output).sum(1)).cpu()
+            count = prompt_weighted_token_count(loss_tokens, prompt_weights)
+            output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
+        if self.args.completion_pruning or self.args.prompt_pruning:
+            self._log_pruning_metrics(output, keep, weights, pi, scores)
+        local, device = self._local(output["advantages"].size(0)), output["advantages"].device
+        output["dppo_keep"], output["dppo_weight"] = keep[local].to(device), weights[local].to(device)
         output = self._balance_ranks(output)
         self._run_deferred_logps(output, calls, output["dppo_keep"])
         output["dppo_weight"] = output["dppo_weight"].to(torch.float32)
@@ -234,8 +262,8 @@ class DPPOTrainer(GRPOTrainer):
         steps_per_epoch = max(math.ceil(units_per_epoch / self.args.gradient_accumulation_steps), 1)
         return (self.state.global_step % steps_per_epoch) * self.args.gradient_accumulation_steps
 
-    def _take_prompt_decision(self, inputs, output, scores) -> torch.Tensor:
-        """This generation batch's prompt weights (this rank's rows); feeds the group's mean |A| back to the
+    def _take_prompt_decision(self, inputs, scores) -> torch.Tensor:
+        """This generation batch's prompt weights (every rank's rows); feeds the group's mean |A| back to the
         history. Checks that the batch is the one the sampler planned."""
         decision = self._prompt_sampler.pop_decision(self._next_prompt_batch)
         self._next_prompt_batch = decision["number"] + 1
@@ -253,7 +281,7 @@ class DPPOTrainer(GRPOTrainer):
         metrics["dppo/prompt_keep_rate"].append(decision["accepted_fraction"])
         metrics["dppo/prompt_q_bar"].append(decision["q_bar"])
         metrics["dppo/prompt_weight_max"].append(max(decision["weights"]))
-        return weights[self._local(local)].to(output["advantages"].device)
+        return weights
 
     _PROMPT_STATE_FILE = "dppo_prompt_sampler.json"
 
@@ -323,9 +351,42 @@ class DPPOTrainer(GRPOTrainer):
         full_z = full_batch_normalizer(self.loss_type, self.args.per_device_train_batch_size, **norm_args)
         trl_z = trl_microbatch_normalizer(self.loss_type, mask.size(0), float(mask.sum()), **norm_args)
         loss = loss * (trl_z / full_z)
+        logps, entropies, _ = captured[0]
         if beta != 0.0:
-            loss = loss + beta * self._weighted_kl(captured[0], inputs, mask, weight) / full_z
+            loss = loss + beta * self._weighted_kl(logps, inputs, mask, weight) / full_z
+        self._log_weighted_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
         return loss
+
+    _CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+    @torch.no_grad()
+    def _log_weighted_loss_metrics(self, inputs, advantages, logps, entropies, mask, weight) -> None:
+        """Replace TRL's plain means over the kept rows (``entropy``, ``clip_ratio/*_mean``, ``cispo_clip_ratio``,
+        ``vespo/phi_seq_mean``) by their Horvitz-Thompson estimates of GRPO's values (``dppo_trl.metrics``);
+        the clip conditions are TRL's, on the unweighted advantages."""
+        old = inputs.get("old_per_token_logps")
+        log_ratio = logps.detach() - (logps.detach() if old is None else old)
+        log_weights = log_ratio
+        if self.importance_sampling_level == "sequence":
+            log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        coef_1, a = torch.exp(log_weights), (advantages if advantages.dim() > 1 else advantages.unsqueeze(1))
+        values = {"entropy": entropies}
+        if self.loss_type in self._CLIPPED_LOSS_TYPES:
+            low, high = (coef_1 < 1 - self.epsilon_low) & (a < 0), (coef_1 > 1 + self.epsilon_high) & (a > 0)
+            values.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high})
+        elif self.loss_type == "cispo":
+            values["cispo_clip_ratio"] = (coef_1 > self.epsilon_high) & (a > 0)
+        elif self.loss_type == "vespo":
+            values["vespo/phi_seq_mean"] = self.get_gamma_weights(
+                advantages=a, log_ratio_per_token=log_ratio, mask=mask,
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"), k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos, k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg,
+            )  # fmt: skip
+        stats = torch.stack([weighted_mean_stats(v.float(), mask, weight) for v in values.values()])
+        stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
+        metrics = self._metrics["train"]
+        for name, row in zip(values, stats):
+            metrics[name][-1] = ratio(row)  # replaces TRL's value of this micro-batch
 
     # ------------------------------------------------------------- internals
     def _weighted_kl(self, per_token_logps, inputs, mask, weight) -> torch.Tensor:
@@ -357,68 +418,51 @@ class DPPOTrainer(GRPOTrainer):
         )
         return (base * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
 
-    def _draw_keep_mask(self, output, advantages):
-        """The global keep decision (identical on every rank), as this rank's (keep, weight) rows. Also records
-        every rank's kept sequence lengths, from which each rank derives the common micro-batch row counts."""
+    def _draw_keep_mask(self, output, scores):
+        """The global keep decision (identical on every rank): ``(keep, weight, pi)`` over every rank's rows
+        (``pi`` None for the deterministic designs). Also records every rank's kept sequence lengths, from
+        which each rank derives the common micro-batch row counts and forward calls."""
         local_rows = output["advantages"].size(0)
-        lengths = self.accelerator.gather(output["completion_mask"].sum(1)).cpu()
-        prompt_lengths = self.accelerator.gather(output["prompt_mask"].sum(1)).cpu()
+        lengths = self.accelerator.gather(output["completion_mask"].sum(1) + output["prompt_mask"].sum(1)).cpu()
         loss_tokens = self.accelerator.gather(loss_mask(output).sum(1)).cpu()
         design, rate = self.args.prune_sampling, self.args.completion_keep_rate
         pi = None
         if not self.args.completion_pruning:  # packing only: every row, weight 1
-            keep = torch.ones_like(advantages, dtype=torch.bool)
-            weights = keep.double()
+            keep = torch.ones_like(scores, dtype=torch.bool)
         elif design == "topk":
-            keep = topk_mask(advantages, rate)
-            weights = keep.double()
+            keep = topk_mask(scores, rate)
         elif design == "zero_variance":
-            rewards = (self._last_rewards_per_func * self.reward_weights.to(self._last_rewards_per_func.device)).nansum(
-                1
-            )
-            rewards[torch.isnan(self._last_rewards_per_func).all(dim=1)] = torch.nan
-            keep = zero_variance_mask(rewards.cpu(), self.num_generations)
-            weights = keep.double()
+            keep = zero_variance_mask(self._aggregated_rewards(), self.num_generations)
         else:
             # A row with A == 0 contributes exactly zero unless a term without A (the KL) is on; a row without
             # loss tokens (e.g. masked as truncated) contributes nothing at all.
-            pi, _ = keep_probabilities(
-                advantages,
-                rate,
-                self.args.keep_floor,
-                zero_score_contributes=self.beta != 0.0,
-                contributes_nothing=loss_tokens == 0,
-            )
+            pi, _ = keep_probabilities(scores, rate, self.args.keep_floor, zero_score_contributes=self.beta != 0.0,
+                                       contributes_nothing=loss_tokens == 0)  # fmt: skip
             sample = systematic_sample if design == "systematic" else poisson_sample
             keep = sample(pi, torch.Generator().manual_seed(self._prune_seed()))
-            weights = horvitz_thompson_weights(pi, keep)
-
-        sequence_lengths = lengths + prompt_lengths
+        weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
         self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
         world = self.accelerator.num_processes
-        per_rank = zip(sequence_lengths.view(world, local_rows), keep.view(world, local_rows))
-        self._kept_lengths_per_rank = [lengths[kept].tolist() for lengths, kept in per_rank]
-        if self.args.completion_pruning:
-            self._log_pruning_metrics(keep, weights, pi, advantages, lengths.float(), sequence_lengths.float())
-        local = self._local(local_rows)
-        device = output["advantages"].device
-        return keep[local].to(device), weights[local].to(device)
+        per_rank = zip(lengths.view(world, local_rows), keep.view(world, local_rows))
+        self._kept_lengths_per_rank = [rank_lengths[kept].tolist() for rank_lengths, kept in per_rank]
+        return keep, weights, pi
 
-    def _log_pruning_metrics(self, keep, weights, pi, advantages, lengths, sequence_tokens):
+    def _log_pruning_metrics(self, output, keep, weights, pi, scores):
+        """The ``dppo/*`` metrics of the global decision; ``weights`` include the prompt weights."""
         metrics = self._metrics["train"]
+        completion = self.accelerator.gather(output["completion_mask"].sum(1)).cpu().double()
+        sequence = completion + self.accelerator.gather(output["prompt_mask"].sum(1)).cpu().double()
         n = keep.numel()
-        kept_tokens = float(lengths[keep].sum())
-        total_tokens = float(lengths.sum())
         metrics["dppo/kept_fraction"].append(float(keep.float().mean()))
         metrics["dppo/kept_prompt_fraction"].append(float(keep.view(-1, self.num_generations).any(1).float().mean()))
-        metrics["dppo/kept_token_fraction"].append(kept_tokens / total_tokens if total_tokens > 0 else 0.0)
-        metrics["dppo/zero_advantage_fraction"].append(float((advantages == 0).float().mean()))
+        metrics["dppo/kept_token_fraction"].append(float(completion[keep].sum() / completion.sum().clamp(min=1)))
+        metrics["dppo/zero_advantage_fraction"].append(float((scores == 0).float().mean()))
         metrics["dppo/ess"].append(effective_sample_size(weights[keep]))
         metrics["dppo/weight_max"].append(float(weights.max()) if n else 0.0)
         if pi is not None:
             metrics["dppo/expected_keep_fraction"].append(float(pi.sum()) / n)
         # Work of the log-prob and loss passes scales with the sequence tokens they see.
-        metrics["dppo/compute_saved"].append(1.0 - float(sequence_tokens[keep].sum()) / float(sequence_tokens.sum()))
+        metrics["dppo/compute_saved"].append(1.0 - float(sequence[keep].sum() / sequence.sum().clamp(min=1)))
 
     RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
 
@@ -434,10 +478,7 @@ class DPPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         metrics["dppo/rank_imbalance_before"].append(rank_imbalance([sum(r) for r in self._kept_lengths_per_rank]))
         metrics["dppo/rank_imbalance"].append(rank_imbalance([sum(map(length, rows)) for rows in plan]))
-        me, world = self.accelerator.process_index, self.accelerator.num_processes
-        outgoing = [sorted((k, dest) for dest in range(world) for src, k in plan[dest] if src == r and dest != r)
-                    for r in range(world)]  # fmt: skip
-        slots = max(len(rows) for rows in outgoing)
+        slots, leaving, arriving = exchange_plan(plan, self.accelerator.process_index)
         if slots == 0:
             return output
         local_rows = output["dppo_keep"].size(0)
@@ -446,9 +487,7 @@ class DPPOTrainer(GRPOTrainer):
         prompt_width, completion_width = self.accelerator.gather(widths.to(self.accelerator.device)).view(-1, 2).amax(0)
         sequence_is = str(self.vllm_importance_sampling_mode).startswith("sequence")
         local_completion_width = output["completion_ids"].size(1)
-        leaving = kept[[k for k, _ in outgoing[me]]]
-        # Row of the gathered slots that holds each row this rank receives.
-        arriving = [src * slots + outgoing[src].index((k, me)) for src, k in plan[me] if src != me]
+        leaving = kept[leaving]
         out = dict(output)
         for key in sorted(
             k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() and len(v) == local_rows
@@ -476,22 +515,18 @@ class DPPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _run_deferred_logps(self, output, calls, keep):
-        """Run the log-prob passes TRL deferred, on the kept rows only; other rows hold zeros. Every rank makes
-        the same number of forward calls per pass (one packed call, or as many padded chunks as the fullest
-        rank needs), a rank short of rows forwarding one-token fillers, so sharded models (ZeRO-3, FSDP) that
-        gather parameters in every forward stay in step."""
+        """Run the log-prob passes TRL deferred, on the kept rows only; other rows hold zeros. Each pass is cut
+        into forward calls no larger than TRL's (``per_device_train_batch_size`` padded rows; padding-free
+        calls planned by ``plan_forward_calls``), and every rank makes as many calls as the rank that needs the
+        most, a rank short of rows forwarding a one-token filler, so sharded models (ZeRO-3, FSDP) that gather
+        parameters in every forward stay in step."""
         rows = keep.nonzero().flatten()
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         filler_mask = torch.zeros_like(attention_mask[:1])
         filler_mask[:, output["prompt_ids"].size(1) - 1] = 1  # one real token: the last prompt column
+        groups = self._deferred_call_groups(rows, input_ids.size(1))
         logits_to_keep = output["completion_ids"].size(1)
-        if self.args.packing:
-            num_calls = 1
-        else:
-            most = max(len(r) for r in self._kept_lengths_per_rank)
-            num_calls = max(1, math.ceil(most / self.args.per_device_train_batch_size))
-        groups = torch.tensor_split(rows, num_calls)
         # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
         has_ref = int(self.beta != 0.0)
         names = ["old_per_token_logps"] * (len(calls) - has_ref) + ["ref_per_token_logps"] * has_ref
@@ -513,12 +548,27 @@ class DPPOTrainer(GRPOTrainer):
         if "importance_sampling_ratio" in output:  # on every rank: it gathers metrics
             self._recompute_vllm_importance_sampling(output, rows)
 
+    def _deferred_call_groups(self, rows: torch.Tensor, width: int) -> list[torch.Tensor]:
+        """The kept rows of each forward call of a deferred pass, as many calls on every rank."""
+        per_call = self.args.per_device_train_batch_size
+        if self.args.packing:
+            budget, call_budget = self._packed_budget(width), per_call * width
+            plans = [plan_forward_calls(lengths, per_call, budget, call_budget) for lengths in self._kept_lengths_per_rank]
+            mine = [rows[torch.tensor(g, dtype=torch.long)] for g in plans[self.accelerator.process_index] if g]
+            num_calls = max(sum(1 for g in p if g) for p in plans)
+        else:
+            num_calls = max(-(-len(lengths) // per_call) for lengths in self._kept_lengths_per_rank)
+            mine = [g for g in torch.tensor_split(rows, max(num_calls, 1)) if g.numel()]
+        num_calls = max(num_calls, 1)
+        return mine + [rows[:0]] * (num_calls - len(mine))
+
     def _recompute_vllm_importance_sampling(self, output, rows):
         """TRL built the vLLM IS ratio (and its ``sampling/*`` metrics) from the deferred placeholder: rebuild
-        both from the real old-policy log-probs of the forwarded rows."""
+        both from the real old-policy log-probs of the forwarded rows; the means are Horvitz-Thompson weighted."""
         mask = loss_mask(output)
         old, sampled, mask = output["old_per_token_logps"][rows], output["sampling_per_token_logps"][rows], mask[rows]
-        ratio = vllm_importance_sampling_ratio(
+        weight = output["dppo_weight"][rows]
+        ratio_ = vllm_importance_sampling_ratio(
             old,
             sampled,
             mask,
@@ -526,23 +576,25 @@ class DPPOTrainer(GRPOTrainer):
             self.vllm_importance_sampling_clip_min,
             self.vllm_importance_sampling_clip_max,
         )
-        output["importance_sampling_ratio"][rows] = ratio.to(output["importance_sampling_ratio"].dtype)
+        output["importance_sampling_ratio"][rows] = ratio_.to(output["importance_sampling_ratio"].dtype)
         scored = mask.bool() & ~torch.isnan(sampled)
-        delta = (old - sampled).abs()[scored]
-        ratios = ratio.flatten() if ratio.size(1) == 1 else ratio[mask.bool()]
-        values = {
-            "sampling/sampling_logp_difference/mean": (delta.mean() if delta.numel() else delta.new_zeros(()), "mean"),
+        delta = (old - sampled).abs()
+        means = torch.stack([weighted_mean_stats(torch.nan_to_num(delta), scored, weight),
+                             weighted_mean_stats(ratio_, mask, weight)])  # fmt: skip
+        means = self.accelerator.reduce(means.to(self.accelerator.device), reduction="sum").cpu()
+        delta = delta[scored]
+        ratios = ratio_.flatten() if ratio_.size(1) == 1 else ratio_[mask.bool()]
+        extremes = {
             "sampling/sampling_logp_difference/max": (delta.max() if delta.numel() else delta.new_zeros(()), "max"),
             "sampling/importance_sampling_ratio/min": (ratios.min() if ratios.numel() else ratios.new_zeros(()), "min"),
-            "sampling/importance_sampling_ratio/mean": (
-                ratios.mean() if ratios.numel() else ratios.new_zeros(()),
-                "mean",
-            ),
             "sampling/importance_sampling_ratio/max": (ratios.max() if ratios.numel() else ratios.new_zeros(()), "max"),
         }
-        for name, (value, reduce) in values.items():
+        metrics = self._metrics["train"]
+        metrics["sampling/sampling_logp_difference/mean"][-1] = ratio(means[0])  # replaces TRL's value
+        metrics["sampling/importance_sampling_ratio/mean"][-1] = ratio(means[1])
+        for name, (value, reduce) in extremes.items():
             gathered = self.accelerator.gather(value.float().reshape(1))
-            self._metrics["train"][name][-1] = float(getattr(gathered, reduce)())  # replaces TRL's value
+            metrics[name][-1] = float(getattr(gathered, reduce)())
 
     def _logps_of(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
         return self._get_per_token_logps_and_entropies(
@@ -555,94 +607,78 @@ class DPPOTrainer(GRPOTrainer):
         )
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
-        """TRL's per-token log-probs (and entropies) of the completion tokens, computed padding-free: each row's
-        real tokens are laid back to back in packed rows (``position_ids`` restart at 0 per sequence, no
-        attention mask), scored with pre-shifted labels that never cross a sequence boundary, in one forward
-        call; a packed row shorter than the longest ends with filler tokens that form a sequence of their own."""
-        real = attention_mask.bool()
-        prompt_width = input_ids.size(1) - logits_to_keep
-        lengths = real.sum(1).tolist()
-        rows = pack_rows(lengths, self._packed_budget(input_ids.size(1)))
-        device = input_ids.device
-        packed_row, start, used = [0] * len(lengths), [0] * len(lengths), []
-        for r, row in enumerate(rows):
-            starts, _ = packed_layout(lengths, row)
-            for b, offset in zip(row, starts):
-                packed_row[b], start[b] = r, offset
-            used.append(sum(lengths[b] for b in row))
-        width = max(used)
-        # Every real token (b, t) goes to packed row packed_row[b], column start[b] + k (k: its rank in row b).
-        b, t = real.nonzero(as_tuple=True)
-        k = (real.cumsum(1) - 1)[b, t]
-        r = torch.tensor(packed_row, device=device)[b]
-        c = torch.tensor(start, device=device)[b] + k
-        packed_ids = torch.full((len(rows), width), self._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
-        packed_ids[r, c] = input_ids[b, t]
-        # Positions restart at 0 for each sequence; a row's tail of fillers counts on as a sequence of its own.
-        position_ids = torch.arange(width, device=device).unsqueeze(0) - torch.tensor(used, device=device)[:, None]
-        position_ids = position_ids.clamp(min=0)
-        position_ids[r, c] = k
-        # Completion token j of row b is predicted at the position before it: labels pre-shifted, never across
-        # a sequence boundary.
-        completion = t >= prompt_width
-        r, c, b, j = r[completion], c[completion], b[completion], (t - prompt_width)[completion]
-        labels = torch.full((len(rows), width), -100, dtype=input_ids.dtype, device=device)
-        labels[r, c - 1] = packed_ids[r, c]
+        """TRL's per-token log-probs (and entropies) of the completion tokens, computed padding-free in one forward
+        call (``packed_inputs``: sequences back to back, ``position_ids`` restarting per sequence, pre-shifted
+        labels; with a variable-length kernel also ``cu_seq_lens``), allocating no more than TRL's padded call
+        of ``per_device_train_batch_size`` rows, and unpacked into TRL's padded ``(B, T)`` layout."""
+        lengths = attention_mask.sum(1).tolist()
+        call_budget = self.args.per_device_train_batch_size * input_ids.size(1)
+        rows = pack_call(lengths, self._packed_budget(input_ids.size(1)), call_budget)
+        packed = packed_inputs(input_ids, attention_mask, logits_to_keep, rows, self._tokenizer.pad_token_id)
+        r, c, b, j = packed.pop("index")
+        if self._varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
+            packed.update(varlen_kwargs(packed["position_ids"]))
         with self.accelerator.autocast():
-            out = model(input_ids=packed_ids, position_ids=position_ids, shift_labels=labels, fused_lm_head=True)
-        logps = torch.zeros(input_ids.size(0), logits_to_keep, device=device)
-        logps[b, j] = out.log_probs[r, c - 1].float()
+            out = model(**packed, fused_lm_head=True)
+        dtype = torch.promote_types(out.log_probs.dtype, torch.float32)
+        logps = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device, dtype=dtype)
+        logps[b, j] = out.log_probs[r, c - 1].to(dtype)
         entropies = None
         if compute_entropy:
-            entropies = torch.zeros(input_ids.size(0), logits_to_keep, device=device)
-            entropies[b, j] = out.entropy[r, c - 1].float()
+            entropies = torch.zeros_like(logps)
+            entropies[b, j] = out.entropy[r, c - 1].to(dtype)
         return logps, entropies, None
 
     def _kept_microbatches(self, batch) -> list[dict]:
         """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches, by
-        tokens (packing) or evenly by rows, with the same row count on every rank in each micro-step; a slot
-        with no kept row fills up with zero-weight filler rows of one token."""
+        tokens (packing: LPT, at most ``per_device_train_batch_size`` rows each where the rows allow, then in a
+        random order shared by every rank) or evenly by rows, with the same row count on every rank in each
+        micro-step; a slot with no kept row fills up with zero-weight filler rows of one token."""
         keep = batch.pop("dppo_keep")
         kept = keep.nonzero().flatten()
-        spg = self.args.steps_per_generation
+        spg, per_device = self.args.steps_per_generation, self.args.per_device_train_batch_size
         lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
         if self.args.packing:
-            bins = [kept[b].tolist() for b in assign_microbatches([lengths[i] for i in kept.tolist()], spg)]
-            counts = [microbatch_row_counts(rank_lengths, spg) for rank_lengths in self._kept_lengths_per_rank]
+            bins = [kept[b].tolist() for b in assign_microbatches([lengths[i] for i in kept.tolist()], spg, per_device)]
+            counts = [microbatch_row_counts(rank_lengths, spg, per_device) for rank_lengths in self._kept_lengths_per_rank]
             sizes = [max(1, *column) for column in zip(*counts)]
+            order = microbatch_order(spg, torch.Generator().manual_seed(self._prune_seed() ^ 0x5851F42D4C957F2D))
+            bins, sizes = [bins[j] for j in order], [sizes[j] for j in order]
         else:
             sizes = microbatch_sizes([len(r) for r in self._kept_lengths_per_rank], spg)
             bounds = [sum(sizes[:j]) for j in range(spg + 1)]
             bins = [kept[bounds[j] : bounds[j + 1]].tolist() for j in range(spg)]
         filler = self._filler_row(batch)
+        microbatches = [self._with_fillers(select_rows(batch, torch.tensor(rows, dtype=torch.long)), filler, size)
+                        for rows, size in zip(bins, sizes)]  # fmt: skip
+        self._log_microbatch_metrics(batch, lengths, bins, sizes)
+        return microbatches
+
+    @staticmethod
+    def _with_fillers(microbatch: dict, filler: dict, size: int) -> dict:
+        """``microbatch`` grown to ``size`` rows with copies of ``filler``."""
+        missing = size - len(microbatch["prompt_ids"])
+        if missing <= 0:
+            return microbatch
+        tensor = lambda v: isinstance(v, torch.Tensor) and v.ndim  # noqa: E731
+        return {k: torch.cat([v, filler[k].expand(missing, *v.shape[1:])]) if tensor(v) else v
+                for k, v in microbatch.items()}  # fmt: skip
+
+    def _log_microbatch_metrics(self, batch, lengths, bins, sizes) -> None:
+        """``dppo/token_density`` (real / allocated tokens) and ``dppo/microbatch_imbalance``, over all ranks."""
         width = batch["prompt_ids"].size(1) + batch["completion_ids"].size(1)
-        microbatches, real, allocated, tokens_per_mb = [], 0.0, 0.0, []
-        budget = self._packed_budget(width)
+        budget, call_budget = self._packed_budget(width), self.args.per_device_train_batch_size * width
+        tokens_per_mb = [float(sum(lengths[i] for i in rows)) for rows in bins]
+        allocated = 0.0
         for rows, size in zip(bins, sizes):
-            mb = select_rows(batch, torch.tensor(rows, dtype=torch.long))
-            if size > len(rows):
-                fill = {
-                    k: (v.expand(size - len(rows), *v.shape[1:]) if isinstance(v, torch.Tensor) and v.ndim else v)
-                    for k, v in filler.items()
-                }
-                mb = {
-                    k: (torch.cat([mb[k], fill[k]]) if isinstance(mb[k], torch.Tensor) and mb[k].ndim else mb[k])
-                    for k in mb
-                }
-            microbatches.append(mb)
-            tokens = float(sum(lengths[i] for i in rows))
-            tokens_per_mb.append(tokens)
-            real += tokens
             fillers = [1] * (size - len(rows))  # a filler row forwards one token
-            allocated += (
-                packed_allocation([lengths[i] for i in rows] + fillers, budget) if self.args.packing else size * width
-            )
-        stats = torch.tensor([real, allocated, max(tokens_per_mb), sum(tokens_per_mb) / spg])
+            allocated += (packed_allocation([lengths[i] for i in rows] + fillers, budget, call_budget)
+                          if self.args.packing else size * width)  # fmt: skip
+        stats = torch.tensor([sum(tokens_per_mb), allocated, max(tokens_per_mb), sum(tokens_per_mb) / len(bins)])
         stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
         metrics = self._metrics["train"]
         metrics["dppo/token_density"].append(float(stats[0] / stats[1]) if stats[1] > 0 else 0.0)
         metrics["dppo/microbatch_imbalance"].append(float(stats[2] / stats[3]) if stats[3] > 0 else 1.0)
-        return microbatches
 
     @staticmethod
     def _filler_row(batch) -> dict:

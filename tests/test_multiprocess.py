@@ -67,7 +67,8 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sam
         "completion_mask": (columns[None] < lengths["completion_lengths"][:, None]).long(),
         "prompt_mask": (columns.flip(0)[None] < lengths["prompt_lengths"][:, None]).long(),
     }
-    single._draw_keep_mask(output, advantages)
+    keep, weights, pi = single._draw_keep_mask(output, advantages)
+    single._log_pruning_metrics(output, keep, weights, pi, advantages)
     assert single.last_global_keep.int().tolist() == ranks[0]["masks"][0]
     logged = ranks[0]["first_log"]
     assert {"dppo/kept_fraction", "dppo/kept_token_fraction", "dppo/ess", "dppo/compute_saved"} <= set(
