@@ -1,0 +1,291 @@
+"""Exactly GRPO's objective in the settings users run: a flash-attention stand-in, TRL's default token-mean
+loss under prompt pruning, gradient_accumulation_steps < steps_per_generation, TRL's call sizes, equal-reward
+groups whose float advantages are not 0, and Horvitz-Thompson-weighted metrics."""
+
+import functools
+import math
+
+import pytest
+import torch
+import varlen_reference
+from conftest import cpu_config, random_reward
+from test_trainer import RecordingTrainer, count_logprob_rows, train
+from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
+from trl import GRPOConfig, GRPOTrainer
+
+from dppo_trl import DPPOTrainer
+from dppo_trl.packing import packed_allocation, plan_forward_calls
+from dppo_trl.prompts import PromptPruningSampler
+from dppo_trl.pruning import SUPPORTED_LOSS_TYPES, full_batch_normalizer, horvitz_thompson_weights
+from dppo_trl.pruning import prompt_weighted_token_count, zero_spread_rows
+
+VARLEN = varlen_reference.register()
+
+
+# ----------------------------------------------------------------- 1. packing under flash semantics
+@pytest.mark.parametrize("budget", [None, 12])
+def test_packed_logprobs_equal_padded_under_flash_semantics(tmp_path, tiny_model_dir, train_dataset, budget):
+    extra = {"model_init_kwargs": {"attn_implementation": VARLEN}}
+    if budget is not None:
+        extra["max_packed_tokens"] = budget  # several packed rows per call
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.05, 1, **extra)
+    assert trainer._varlen_attention
+    batch = synthetic_batch(trainer)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        lp, ent, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, width, compute_entropy=True
+        )
+        plp, pent, _ = trainer._packed_logps_and_entropies(trainer.model, ids, mask, width, compute_entropy=True)
+    m = batch["completion_mask"].bool()
+    assert (lp[m] - plp[m]).abs().max() < 1e-5
+    assert (ent[m] - pent[m]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("spg,ga", [(3, 3), (3, 1)])
+def test_packed_update_equals_padded_under_flash_semantics(tmp_path, tiny_model_dir, train_dataset, spg, ga):
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, spg, gradient_accumulation_steps=ga,
+                           max_packed_tokens=8, model_init_kwargs={"attn_implementation": VARLEN})  # fmt: skip
+    trainer.current_gradient_accumulation_steps = ga
+    batch = synthetic_batch(trainer, seed=2)
+    keep = torch.tensor([True, True, False, True, True, True])
+    weights = torch.where(keep, torch.tensor([1.5, 2.0, 0.0, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS))
+    results = {}
+    for packing in (False, True):
+        trainer.args.packing = packing
+        results[packing] = dppo_loss_and_grad(trainer, batch, keep, weights)
+    (loss, grad), (packed_loss, packed_grad) = results[False], results[True]
+    assert float(packed_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(packed_grad, grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
+
+
+def test_flash_semantics_trains_like_sdpa(tmp_path, tiny_model_dir, train_dataset):
+    """The same run (packing, pruning, GA < spg) under sdpa and under the flash stand-in: the same losses."""
+    common = dict(max_steps=2, steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                  completion_keep_rate=0.75)  # fmt: skip
+    runs = [
+        train(DPPOTrainer, tmp_path / attn, tiny_model_dir, train_dataset,
+              model_init_kwargs={"attn_implementation": attn}, **common)  # fmt: skip
+        for attn in ("sdpa", VARLEN)
+    ]
+    losses = [[h["loss"] for h in r.state.log_history if "loss" in h] for r in runs]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
+
+
+# ------------------------------------------------------- 2. prompt pruning and the token-mean normalizer
+PROMPTS, PER_BATCH = 128, 16
+TOKENS = torch.tensor([10] * (PROMPTS // 2) + [100] * (PROMPTS // 2), dtype=torch.float64)  # short, then long
+# Each prompt's summed per-token terms (a linear stand-in for its gradient): 0 for the zero-variance prompts.
+G = torch.cat([torch.zeros(PROMPTS // 2), torch.linspace(0.5, 1.5, PROMPTS // 2, dtype=torch.float64) * 100])
+
+
+@functools.lru_cache(maxsize=1)
+def _planned_batches(seeds=300):
+    """(prompts, weights) of every batch the real sampler plans over ``seeds`` epochs, with the short prompts'
+    history at 0 (acceptance at the floor 0.1) and the long ones' at 1."""
+    batches = []
+    for seed in range(seeds):
+        sampler = PromptPruningSampler(PROMPTS, 1, PER_BATCH, 1, keep_rate=0.5, keep_floor=0.1, history_decay=0.0,
+                                       seed=seed, accept_seed=10_000 + seed, max_epochs=1)  # fmt: skip
+        sampler.update(list(range(PROMPTS)), [0.0] * (PROMPTS // 2) + [1.0] * (PROMPTS // 2))
+        batches += [(torch.tensor(b["prompts"]), torch.tensor(b["weights"], dtype=torch.float64))
+                    for b in sampler._plan_epoch()]  # fmt: skip
+    return batches
+
+
+def _prompt_pruning_step_means(loss_type, weighted):
+    """Mean step 'gradient' under prompt pruning and under GRPO's uniform batches, normalized as DPPO
+    normalizes ``loss_type`` (the prompt-weighted token count, or the accepted batch's raw count)."""
+
+    def step(prompts, w):
+        count = prompt_weighted_token_count(TOKENS[prompts], w) if weighted else float(TOKENS[prompts].sum())
+        return float((w * G[prompts]).sum()) / full_batch_normalizer(loss_type, PER_BATCH, 128, count, 1, 1, 1)
+
+    dppo = [step(p, w) for p, w in _planned_batches()]
+    generator = torch.Generator().manual_seed(0)
+    grpo = [step(torch.randperm(PROMPTS, generator=generator)[:PER_BATCH], torch.ones(PER_BATCH, dtype=torch.float64))
+            for _ in range(20_000)]  # fmt: skip
+    return sum(dppo) / len(dppo), sum(grpo) / len(grpo)
+
+
+@pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
+def test_prompt_pruning_keeps_the_expected_step_gradient_for_every_loss_type(loss_type):
+    dppo, grpo = _prompt_pruning_step_means(loss_type, weighted=True)
+    assert dppo == pytest.approx(grpo, rel=0.02)
+
+
+def test_the_accepted_batchs_raw_token_count_would_be_biased():
+    """The scenario discriminates: normalizing dapo by the accepted batch's own token count is far off."""
+    dppo, grpo = _prompt_pruning_step_means("dapo", weighted=False)
+    assert abs(dppo / grpo - 1) > 0.1
+
+
+class NormalizerRecorder(DPPOTrainer):
+    def _take_prompt_decision(self, inputs, scores):
+        weights = super()._take_prompt_decision(inputs, scores)
+        self.__dict__.setdefault("prompt_weights", []).append(weights)
+        return weights
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        tokens = out["completion_mask"].sum(1)
+        self.__dict__.setdefault("seen", []).append((float(out["num_items_in_batch"]), tokens))
+        return out
+
+
+def test_trainer_normalizes_by_the_prompt_weighted_token_count(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(NormalizerRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(4)),
+                    max_steps=6, prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo")  # fmt: skip
+    assert len(trainer.seen) == len(trainer.prompt_weights) == 6
+    for (normalizer, tokens), weights in zip(trainer.seen, trainer.prompt_weights):
+        assert normalizer == pytest.approx(prompt_weighted_token_count(tokens, weights))
+    assert any(bool((w != 1).any()) for w in trainer.prompt_weights)  # the later epochs are weighted
+
+
+@pytest.mark.parametrize("setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"}])
+def test_batch_level_reward_statistics_are_refused_with_prompt_pruning(tmp_path, setting):
+    with pytest.raises(ValueError, match="prompt_keep_rate"):
+        cpu_config(tmp_path, prompt_keep_rate=0.5, **setting)
+
+
+# ------------------------------------------------------------------ 3. GA < steps_per_generation
+@pytest.mark.parametrize("kept", [list(range(16)), [0, 1, 2, 5, 6, 9, 10, 12, 13, 14]])
+def test_each_optimizer_step_gets_a_fair_share_of_rows_when_ga_is_below_spg(tmp_path, tiny_model_dir, train_dataset,
+                                                                             kept):  # fmt: skip
+    spg, ga, rows, comp = 4, 2, 16, 5
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, spg, gradient_accumulation_steps=ga,
+                           per_device_train_batch_size=rows // spg, num_generations=4, completion_keep_rate=1.0,
+                           keep_floor=0.05)  # fmt: skip
+    lengths = torch.tensor([1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 5, 5, 5, 5])  # long-tailed completion lengths
+    keep = torch.zeros(rows, dtype=torch.bool)
+    keep[kept] = True
+    batch = {
+        "prompt_ids": torch.full((rows, 2), 11), "prompt_mask": torch.ones(rows, 2, dtype=torch.long),
+        "completion_ids": torch.full((rows, comp), 12),
+        "completion_mask": (torch.arange(comp)[None] < lengths[:, None]).long(),
+        "advantages": torch.ones(rows), "dppo_weight": keep.float(),
+    }  # fmt: skip
+    trainer._kept_lengths_per_rank = [(lengths[keep] + 2).tolist()]
+    first_rows, first_long, first_sizes = [], [], set()
+    for seed in range(400):
+        trainer.args.prune_seed = seed
+        microbatches = trainer._kept_microbatches({**batch, "dppo_keep": keep})
+        real = [mb["completion_mask"].sum(1) for mb in microbatches[:ga]]  # the first optimizer step's rows
+        first_rows.append(sum(int((r > 0).sum()) for r in real))
+        first_long.append(sum(int((r == comp).sum()) for r in real))
+        first_sizes.add(tuple(int((mb["completion_mask"].sum(1) > 0).sum()) for mb in microbatches))
+    assert sum(first_rows) / len(first_rows) == pytest.approx(len(kept) / 2, rel=0.05)
+    assert sum(first_long) / len(first_long) == pytest.approx(int((lengths[keep] == comp).sum()) / 2, rel=0.1)
+    if len(kept) < rows:
+        assert len(first_sizes) > 1  # the micro-batches come in a random order, not a fixed one
+
+
+# ---------------------------------------------------------------------------- 4. TRL's call sizes
+def largest_calls(trainer):
+    """Tokens allocated by every log-prob forward call (old, reference, loss; not generation) of the policy and
+    reference models: TRL's padded calls carry `labels`, packed calls `shift_labels`."""
+    sizes = []
+
+    def hook(module, args, kwargs):
+        if "labels" in kwargs or "shift_labels" in kwargs:
+            sizes.append(kwargs["input_ids"].numel())
+
+    for model in (trainer.model, trainer.ref_model):
+        if model is not None:
+            model.register_forward_pre_hook(hook, with_kwargs=True)
+    return sizes
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.5])
+def test_no_forward_call_is_larger_than_trls(tmp_path, tiny_model_dir, train_dataset, keep):
+    common = dict(max_steps=2, beta=0.05, steps_per_generation=4, gradient_accumulation_steps=2,
+                  per_device_train_batch_size=4, max_completion_length=8)  # fmt: skip
+    sizes = {}
+    for name, cls, cfg, extra in [("grpo", GRPOTrainer, GRPOConfig, {}),
+                                  ("dppo", DPPOTrainer, None, {"completion_keep_rate": keep})]:  # fmt: skip
+        args = cpu_config(tmp_path / name, cls=cfg, **common, **extra)
+        trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+        sizes[name] = largest_calls(trainer)
+        trainer.train()
+    assert max(sizes["dppo"]) <= max(sizes["grpo"])
+
+
+def test_forward_call_plans_stay_within_the_call_budget():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(0, 40, (), generator=generator))
+        width = int(torch.randint(4, 60, (), generator=generator))
+        lengths = torch.randint(1, width + 1, (n,), generator=generator).tolist()
+        per_call = int(torch.randint(1, 6, (), generator=generator))
+        for row_budget in (width, per_call * width, 5):
+            calls = plan_forward_calls(lengths, per_call, row_budget, per_call * width)
+            assert sorted(i for c in calls for i in c) == list(range(n))
+            assert len(calls) <= max(1, math.ceil(n / per_call))  # never more calls than TRL's chunking
+            for c in calls:
+                assert packed_allocation([lengths[i] for i in c], row_budget, per_call * width) <= per_call * width
+            shuffled = [lengths[i] for i in torch.randperm(n, generator=generator).tolist()]
+            assert len(plan_forward_calls(shuffled, per_call, row_budget, per_call * width)) == len(calls)
+
+
+# ------------------------------------------------------------- 5. equal rewards score exactly zero
+def non_dyadic_constant_reward(prompts, completions, **kwargs):
+    """Every completion of a prompt gets the same reward, 0.1 or 1/3 (not exact in binary floating point)."""
+    return [0.1 if len(p) % 2 else 1.0 / 3.0 for p in prompts]
+
+
+def test_equal_non_dyadic_rewards_keep_nothing_and_log_zero_advantage(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, reward=non_dyadic_constant_reward,
+                    max_steps=2, num_generations=8, per_device_train_batch_size=16)  # fmt: skip
+    assert any(bool((r["advantages"] != 0).any()) for r in trainer.records)  # TRL's float A is not exactly 0
+    assert all(not r["dppo_keep"].any() for r in trainer.records)
+    logs = [h for h in trainer.state.log_history if "dppo/zero_advantage_fraction" in h]
+    assert logs and all(h["dppo/zero_advantage_fraction"] == 1.0 and h["dppo/kept_fraction"] == 0.0 for h in logs)
+
+
+def test_zero_spread_rows_are_decided_from_rewards():
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1 / 3, 1 / 3, 0.5, float("nan"), 0.7, 0.7])
+    assert zero_spread_rows(rewards, 3).tolist() == [True] * 3 + [False] * 3 + [True] * 3
+
+
+# ------------------------------------------------------------------------ 6. weighted metrics
+@pytest.mark.parametrize("packing", [False, True])
+def test_logged_metrics_are_horvitz_thompson_estimates(tmp_path, tiny_model_dir, train_dataset, packing):
+    """One micro-batch of kept rows with weights 1/pi: TRL's token means become sum(w x m) / sum(w m)."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, 1, packing=packing)
+    batch = synthetic_batch(trainer, seed=4)
+    pi = torch.tensor([0.9, 0.0, 0.6, 0.3, 0.8, 0.5], dtype=torch.float64)
+    keep = torch.tensor([True, False, True, True, False, True])
+    weights = horvitz_thompson_weights(pi, keep)
+    trainer._metrics["train"].clear()
+    dppo_loss_and_grad(trainer, batch, keep, weights)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, batch["completion_ids"].size(1), compute_entropy=True
+        )
+    m = batch["completion_mask"].double() * weights[:, None]
+    coef = torch.exp(logps.double() - batch["old_per_token_logps"].double())
+    adv = batch["advantages"].double()[:, None]
+    expected = {
+        "entropy": entropies.double(),
+        "clip_ratio/low_mean": ((coef < 0.8) & (adv < 0)).double(),
+        "clip_ratio/high_mean": ((coef > 1.2) & (adv > 0)).double(),
+    }
+    unweighted = batch["completion_mask"].double() * keep.double()[:, None]
+    for name, values in expected.items():
+        [logged] = trainer._metrics["train"][name]
+        assert logged == pytest.approx(float((values * m).sum() / m.sum()), rel=1e-5, abs=1e-6), name
+    plain = {k: float((v * unweighted).sum() / unweighted.sum()) for k, v in expected.items()}
+    assert max(abs(trainer._metrics["train"][k][0] - plain[k]) for k in plain) > 1e-2  # weighting matters here
+
+
+def test_ess_and_weight_max_include_the_prompt_weights(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
+                    prompt_keep_rate=0.5, completion_keep_rate=1.0)  # fmt: skip
+    logs = [h for h in trainer.state.log_history if "dppo/prompt_weight_max" in h]
+    assert logs and any(h["dppo/prompt_weight_max"] > 1 for h in logs)
+    for h in logs:
+        assert h["dppo/weight_max"] == pytest.approx(h["dppo/prompt_weight_max"])
