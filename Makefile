@@ -1,18 +1,24 @@
-# Every target sets up what it needs itself: a .venv with the local CPU build of torch.
+# Every target sets up what it needs itself: a .venv with the local CPU build of torch and the exact package
+# versions the suite was validated with (constraints.txt: regenerate on purpose, with `make constraints`).
+# pyproject.toml keeps ranges for users.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-multiprocess demo bench bench-train bench-gpu clean
+.PHONY: constraints setup test test-multiprocess demo bench bench-train bench-gpu clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "$(TORCH_PIN)" -c constraints.txt
+	$(PY) -m pip install -q -e ".[dev]" -c constraints.txt
 	touch $(STAMP)
+
+# Re-pin constraints.txt to what the venv holds now (after a deliberate upgrade that the suite passed with).
+constraints: $(STAMP)
+	$(PY) -m pip freeze --exclude-editable | grep -v '^#' | sed 's/+cpu//' > constraints.txt
 
 setup: $(STAMP)
 

@@ -1,13 +1,20 @@
 """Run by tests/test_multiprocess.py under `torchrun --nproc_per_node 2`: trains DPPO on the offline tiny model
 and writes, per rank, the global keep masks it drew, the rank-balance metrics, the prompts it generated for,
-and its final parameters.
+every forward call of its models, and its final parameters (whole, also when sharded).
 
     multiprocess_worker.py MODEL_DIR OUT_DIR SAMPLING RATE MAX_STEPS [TOLERANCE] [--prompt-keep-rate R --stop S]
+                           [--steps-per-generation N] [--fsdp]
 
 TOLERANCE is DPPOTrainer.RANK_BALANCE_TOLERANCE ('inf': never move rows). With --stop S the run saves a
-checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS."""
+checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS. With --fsdp the policy and
+the reference model are sharded with FSDP2 (`fully_shard`) instead of the policy being wrapped in DDP.
+
+Every forward call of the policy and reference models is recorded (a forward pre-hook): which model, whether it
+is a log-prob call (``labels`` or ``shift_labels`` among its kwargs; generation calls have neither), whether
+grad is on, the generation batch it belongs to, and ``input_ids.numel()``."""
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -25,10 +32,16 @@ from dppo_trl.toy import addition_dataset, addition_pairs  # noqa: E402
 
 class Worker(DPPOTrainer):
     def _generate_and_score_completions(self, inputs):
+        self.generation_index = getattr(self, "generation_index", -1) + 1
         out = super()._generate_and_score_completions(inputs)
         if self.model.training:
+            # the padded width of the batch the passes of this generation batch run on (after rank balancing)
+            width = out["prompt_ids"].size(1) + out["completion_ids"].size(1)
+            self.__dict__.setdefault("widths", []).append([self.generation_index, width])
             self.__dict__.setdefault("masks", []).append(self.last_global_keep.int().tolist())
             self.__dict__.setdefault("local_kept", []).append(int(out["dppo_keep"].sum()))
+            lengths = out["prompt_mask"].sum(1) + out["completion_mask"].sum(1)
+            self.__dict__.setdefault("local_kept_tokens", []).append(int(lengths[out["dppo_keep"]].sum()))
             self.__dict__.setdefault("prompts", []).append([x["prompt"] for x in inputs])
         return out
 
@@ -42,6 +55,47 @@ class Worker(DPPOTrainer):
         return super()._draw_keep_mask(output, advantages)
 
 
+def record_forward_calls(trainer, calls, run):
+    """Append ``[model, kind, grad, (run, generation batch), input_ids.numel()]`` to ``calls`` for every forward
+    call of ``trainer``'s policy and reference models."""
+
+    def hook(name):
+        def pre_hook(module, args, kwargs):
+            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            kind = "logps" if "labels" in kwargs or "shift_labels" in kwargs else "generate"
+            batch = [run, getattr(trainer, "generation_index", -1)]
+            calls.append([name, kind, torch.is_grad_enabled(), batch, int(ids.numel())])
+
+        return pre_hook
+
+    trainer.model.register_forward_pre_hook(hook("policy"), with_kwargs=True)
+    if trainer.ref_model is not None:
+        trainer.ref_model.register_forward_pre_hook(hook("ref"), with_kwargs=True)
+
+
+def forward_passes(calls) -> list:
+    """The recorded calls as runs of one kind ``[model, kind, grad, (run, generation batch), number of calls]``:
+    a generation, a deferred log-prob pass, the micro-batch forwards of training."""
+    return [[*key, len(list(group))] for key, group in itertools.groupby(calls, key=lambda call: call[:4])]
+
+
+def fsdp_units(model) -> list[str]:
+    """The modules that are FSDP2 units (``fully_shard`` applied), by name ('' for the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+
+
+def full_parameters(model) -> dict:
+    """Every parameter, whole: an FSDP2 parameter is a DTensor shard, gathered with ``full_tensor()`` (a
+    collective: every rank walks the same names in the same order)."""
+    params = {}
+    for name, p in model.named_parameters():
+        p = p.detach()
+        params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
+    return params
+
+
 def main(argv):
     parser = argparse.ArgumentParser()
     for name in ("model_dir", "out_dir", "sampling", "rate"):
@@ -50,33 +104,52 @@ def main(argv):
     parser.add_argument("tolerance", type=float, nargs="?", default=DPPOTrainer.RANK_BALANCE_TOLERANCE)
     parser.add_argument("--prompt-keep-rate", type=float, default=1.0)
     parser.add_argument("--stop", type=int, default=None)
+    parser.add_argument("--steps-per-generation", type=int, default=2)
+    parser.add_argument("--fsdp", action="store_true")
     a = parser.parse_args(argv)
     Worker.RANK_BALANCE_TOLERANCE = a.tolerance
+    sharding = {}
+    if a.fsdp:
+        # FSDP2 on CPU: accelerate's FSDP plugin (TrainingArguments fsdp/fsdp_config, or ACCELERATE_USE_FSDP=true)
+        # is silently dropped on CPU (AcceleratorState turns on DistributedType.FSDP only from the multi-GPU/XPU/
+        # NPU/... types, never from MULTI_CPU) and the run trains under DDP. transformers' own FSDP2 does run here:
+        # TRL loads the policy and the reference with `distributed_config`, which applies `fully_shard` to the
+        # embeddings (with the tied head), every decoder layer, the final norm and the root, on a CPU/gloo mesh,
+        # and the Trainer then takes its path for models sharded at load time: no DDP on top, gradient reduction
+        # (reduce-scatter) deferred to the last micro-batch of each accumulation window.
+        from transformers.distributed import DistributedConfig
+
+        sharding = dict(model_init_kwargs={"distributed_config": DistributedConfig(fsdp_size=2)})
     args = cpu_config(
         Path(a.out_dir),
         max_steps=a.max_steps,
         beta=0.05,
-        steps_per_generation=2,
+        steps_per_generation=a.steps_per_generation,
         gradient_accumulation_steps=2,
         num_iterations=2,
         completion_keep_rate=float(a.rate),
         prune_sampling=a.sampling,
         prompt_keep_rate=a.prompt_keep_rate,
+        **sharding,
     )
     dataset = addition_dataset(addition_pairs()[0][: 16 if a.prompt_keep_rate < 1 else 64])
+    calls = []
     if a.stop is None:
         trainer = Worker(a.model_dir, random_reward, args=args, train_dataset=dataset)
+        record_forward_calls(trainer, calls, 0)
         trainer.train()
         trainers = [trainer]
     else:
         first = Worker(a.model_dir, random_reward, args=args, train_dataset=dataset, callbacks=[StopAt(a.stop)])
+        record_forward_calls(first, calls, 0)
         first.train()
         second = Worker(a.model_dir, random_reward, args=args, train_dataset=dataset)
+        record_forward_calls(second, calls, 1)
         second.train(resume_from_checkpoint=str(Path(args.output_dir) / f"checkpoint-{a.stop}"))
         trainers = [first, second]
     trainer = trainers[-1]
     rank = trainer.accelerator.process_index
-    params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    params = full_parameters(trainer.model)
     torch.save(params, Path(a.out_dir, f"params{rank}.pt"))
     logs = [h for t in trainers for h in t.state.log_history if "dppo/rank_imbalance" in h]
     record = {
@@ -84,12 +157,19 @@ def main(argv):
         "steps": trainer.state.global_step,
         "masks": [m for t in trainers for m in t.masks],
         "local_kept": [k for t in trainers for k in t.local_kept],
+        "local_kept_tokens": [k for t in trainers for k in t.local_kept_tokens],
         "prompts": [p for t in trainers for p in t.prompts],
         "rank_imbalance": [h["dppo/rank_imbalance"] for h in logs],
         "rank_imbalance_before": [h["dppo/rank_imbalance_before"] for h in logs],
         "finite": all(bool(p.isfinite().all()) for p in params.values()),
         "first_draw": trainers[0].first_draw,
         "first_log": next(h for h in trainers[0].state.log_history if "dppo/kept_fraction" in h),
+        "widths": [[[run, k], w] for run, t in enumerate(trainers) for k, w in t.widths],
+        "forward_calls": calls,
+        "forward_passes": forward_passes(calls),
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "fsdp_units": {name: fsdp_units(model) for name, model in (("policy", trainer.model), ("ref", trainer.ref_model))},
     }
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     # Leave without running destructors: freeing DDP's reducer frees its gloo process group, whose destructor

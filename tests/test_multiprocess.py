@@ -1,7 +1,10 @@
 """Two processes on CPU (torchrun, gloo): DPPO with pruning and packing finishes without hanging, every rank
 draws the same global masks, both ranks end with the same parameters (also when a rank keeps nothing), rows
 moved between ranks to balance them train exactly as they would have where they were, and a run killed and
-resumed with prompt pruning on ends where an uninterrupted one does."""
+resumed with prompt pruning on ends where an uninterrupted one does. In every run both ranks make the same
+forward calls, pass by pass (what a sharded model, which gathers its parameters in every forward, needs), and
+no log-prob call is larger than GRPOTrainer's. Under FSDP2 (both models sharded) DPPO finishes, also with a
+rank that keeps nothing, and ends where DDP does."""
 
 import json
 import os
@@ -17,7 +20,24 @@ import torch
 WORKER = Path(__file__).parent / "multiprocess_worker.py"
 
 
-def torchrun(out_dir, model_dir, *worker_args):
+def assert_same_forward_calls(ranks):
+    """Both ranks made the same forward calls of the policy and the reference model, in the same order: the same
+    passes (generation, deferred old-policy / reference log-probs, training micro-batches), each with as many
+    calls, whatever rows each rank kept. And no log-prob call (``labels`` / ``shift_labels``) held more tokens
+    than GRPOTrainer's largest: ``per_device_train_batch_size`` rows of the generation batch's padded width."""
+    assert ranks[0]["forward_passes"] == ranks[1]["forward_passes"]
+    assert [c[:4] for c in ranks[0]["forward_calls"]] == [c[:4] for c in ranks[1]["forward_calls"]]
+    for rank in ranks:
+        kinds = {(model, kind) for model, kind, *_ in rank["forward_passes"]}
+        assert {("policy", "generate"), ("policy", "logps"), ("ref", "logps")} <= kinds  # beta > 0: a reference
+        widths = {tuple(batch): width for batch, width in rank["widths"]}
+        trl_call = {batch: rank["per_device_train_batch_size"] * width for batch, width in widths.items()}
+        for model, kind, grad, batch, numel in rank["forward_calls"]:
+            if kind == "logps":
+                assert numel <= trl_call[tuple(batch)], (model, grad, batch, numel, trl_call[tuple(batch)])
+
+
+def torchrun(out_dir, model_dir, *worker_args, timeout=300):
     """Run the worker on 2 CPU processes; return each rank's record and the parameters of rank 0 and 1."""
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert launcher, "torchrun comes with torch"
@@ -27,16 +47,17 @@ def torchrun(out_dir, model_dir, *worker_args):
     # Its own process group, so that a hang is killed with the workers (torchrun alone would leave them behind).
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _, stderr = run.communicate(timeout=300)
+        _, stderr = run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(run.pid, signal.SIGKILL)
         _, stderr = run.communicate()
-        pytest.fail(f"no result after 300 s (a hang?):\n{stderr[-3000:]}")
+        pytest.fail(f"no result after {timeout} s (a hang?):\n{stderr[-3000:]}")
     assert run.returncode == 0, stderr[-3000:]
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     params = [torch.load(out_dir / f"params{r}.pt") for r in range(2)]
     assert all(r["world"] == 2 and r["finite"] for r in ranks)
     assert ranks[0]["masks"] == ranks[1]["masks"] and ranks[0]["masks"]
+    assert_same_forward_calls(ranks)
     for name, p in params[0].items():  # DDP kept the ranks in step
         torch.testing.assert_close(params[1][name], p, rtol=1e-6, atol=1e-7)
     return ranks, params[0]
@@ -103,3 +124,61 @@ def test_two_ranks_resume_with_prompt_pruning_as_if_never_stopped(tmp_path, tiny
         assert split[rank]["prompts"] == whole[rank]["prompts"] and split[rank]["masks"] == whole[rank]["masks"]
     for name, p in params.items():
         torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6)
+
+
+# steps_per_generation 4 > gradient_accumulation_steps 2: a generation batch of 32 rows per rank, about 16 kept
+# at rate 0.5, twice per_device_train_batch_size (8), so each deferred pass takes several forward calls. 8 steps:
+# two generation batches (each trained num_iterations=2 times).
+SPG4 = ("--steps-per-generation", 4)
+SPG4_RUN = ("systematic", 0.5, 8, *SPG4)
+
+
+@pytest.fixture(scope="module")
+def ddp_spg4(tmp_path_factory, tiny_model_dir):
+    return torchrun(tmp_path_factory.mktemp("ddp-spg4"), tiny_model_dir, *SPG4_RUN, timeout=120)
+
+
+def test_ranks_keeping_different_rows_make_the_same_forward_calls(ddp_spg4):
+    """torchrun checked that both ranks made the same calls and none larger than TRL's; here, that the check had
+    something to catch: the ranks kept different numbers of rows, a deferred pass took more than one call, and
+    one call holding all of a rank's kept rows would have been larger than TRL's."""
+    ranks, _ = ddp_spg4
+    assert any(a != b for a, b in zip(ranks[0]["local_kept"], ranks[1]["local_kept"]))
+    deferred = [p for p in ranks[0]["forward_passes"] if p[1] == "logps" and not p[2]]
+    assert deferred and all(p[-1] > 1 for p in deferred)
+    (width,) = {w for _, w in ranks[0]["widths"] + ranks[1]["widths"]}
+    trl_call = ranks[0]["per_device_train_batch_size"] * width
+    assert max(ranks[0]["local_kept_tokens"] + ranks[1]["local_kept_tokens"]) > trl_call
+
+
+def test_fsdp2_rank_keeping_nothing_finishes(tmp_path, tiny_model_dir):
+    """FSDP2 gathers parameters in every forward: with one row kept of 64 one rank has nothing to forward, and
+    it makes its share of the calls with fillers (a missing call would hang the other rank's all-gather)."""
+    ranks, _ = torchrun(tmp_path, tiny_model_dir, "topk", 0.01, 4, *SPG4, "--fsdp", timeout=120)
+    assert all(r["wrapped"].startswith("FSDP") for r in ranks)
+    assert [sorted(kept) for kept in zip(ranks[0]["local_kept"], ranks[1]["local_kept"])] == [[0, 1]]
+
+
+def test_fsdp2_trains_as_ddp(ddp_spg4, tmp_path, tiny_model_dir):
+    """The same run (pruning, packing, rank balancing, spg 4 > GA 2, 8 steps) with the policy and the reference
+    sharded by FSDP2 instead of DDP: the same masks, kept rows and forward calls, and the same parameters up to
+    float summation order. FSDP2 reduce-scatters where DDP all-reduces (another order of the same sums): measured
+    max |FSDP - DDP| = 9.4e-8 over all parameters, about one float32 ulp at 1, where training moved every
+    parameter tensor by >= 3.6e-3; atol 1e-6, rtol 1e-4 leave 10x room and are still 1000x below the moves."""
+    from transformers import AutoModelForCausalLM
+
+    reference_ranks, reference = ddp_spg4
+    ranks, params = torchrun(tmp_path, tiny_model_dir, *SPG4_RUN, "--fsdp", timeout=120)
+    for rank in ranks:  # sharded by FSDP2 and not wrapped in DDP on top
+        assert rank["wrapped"].startswith("FSDP") and "DistributedDataParallel" not in rank["wrapped"]
+        for model in ("policy", "ref"):
+            units = rank["fsdp_units"][model]
+            assert "" in units and {"model.layers.0", "model.layers.1"} <= set(units), (model, units)
+    assert reference_ranks[0]["wrapped"] == "DistributedDataParallel" and reference_ranks[0]["fsdp_units"]["policy"] == []
+    for key in ("masks", "local_kept", "forward_passes"):
+        assert [r[key] for r in ranks] == [r[key] for r in reference_ranks], key
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert set(params) == set(reference) == set(initial)
+    for name, p in reference.items():
+        torch.testing.assert_close(params[name], p, rtol=1e-4, atol=1e-6)
+        assert (p - initial[name].detach()).abs().max() > 1e-3, name  # training moved it far past the tolerance

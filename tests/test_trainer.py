@@ -60,10 +60,11 @@ def test_keep_rate_one_without_packing_is_exactly_grpo(tmp_path, tiny_model_dir,
         assert torch.equal(p, params_of(dppo)[name]), name
 
 
-def assert_every_row_kept_trains_like_grpo(tmp_path, model_dir, dataset, loss_type, **dppo_settings):
-    """GRPO and DPPO (every row kept) from the same seed: the same losses and parameters, to float tolerance."""
+def assert_every_row_kept_trains_like_grpo(tmp_path, model_dir, dataset, loss_type, ga=2, **dppo_settings):
+    """GRPO and DPPO (every row kept) from the same seed: the same losses and parameters, to float tolerance.
+    ``ga < 2``: gradient_accumulation_steps below steps_per_generation (two optimizer steps per generation)."""
     common = dict(max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2,
-                  gradient_accumulation_steps=2, num_iterations=2)  # fmt: skip
+                  gradient_accumulation_steps=ga, num_iterations=2)  # fmt: skip
     grpo = train(GRPOTrainer, tmp_path / "g", model_dir, dataset, config_cls=GRPOConfig, **common)
     dppo = train(RecordingTrainer, tmp_path / "d", model_dir, dataset, **dppo_settings, **common)
     assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
@@ -79,10 +80,24 @@ def test_packing_without_pruning_trains_like_grpo(tmp_path, tiny_model_dir, trai
     )
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "luspo"])
-def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type):
+@pytest.mark.parametrize("loss_type,ga", [("grpo", 2), ("dapo", 2), ("luspo", 2), ("dapo", 1), ("grpo", 1)])
+def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir, train_dataset, loss_type, ga):
     """keep_floor=1 makes every pi = 1: the deferred old/ref passes, the kept-row split, the weighted advantages,
-    the normalizer rescale and the separate KL term must then reproduce GRPOTrainer step for step."""
+    the normalizer rescale and the separate KL term must then reproduce GRPOTrainer step for step, also with
+    gradient_accumulation_steps < steps_per_generation (padded micro-batches: TRL's own shuffled split)."""
+    assert_every_row_kept_trains_like_grpo(
+        tmp_path, tiny_model_dir, train_dataset, loss_type, ga=ga, completion_keep_rate=0.5, keep_floor=1.0,
+        packing=False,
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_packed_path_with_every_row_kept_matches_grpo_when_one_step_takes_the_generation(
+    tmp_path, tiny_model_dir, train_dataset, loss_type
+):
+    """With packing the micro-batches are token-balanced bins in a random order, not TRL's random split, so the
+    equality with GRPO holds where one optimizer step takes the whole generation batch (GA == spg); with GA < spg
+    each optimizer step gets a fair random share instead (tests/test_exactness.py)."""
     assert_every_row_kept_trains_like_grpo(
         tmp_path, tiny_model_dir, train_dataset, loss_type, completion_keep_rate=0.5, keep_floor=1.0
     )

@@ -1,6 +1,8 @@
 """Exact oracle (DESIGN.md section 6): over every Poisson mask and every systematic start point, the expected
 DPPO loss and gradient equal the full-batch loss and gradient, for every TRL loss_type, beta 0 and > 0,
-with clipping active. With everything kept, the loss is GRPOTrainer's own."""
+with clipping active, gradient_accumulation_steps equal to and below steps_per_generation. The oracle runs in
+float64 (model, log-probs, advantages, weights), so "equal" means to float64 rounding, far from any float32
+edge. With everything kept, the loss is GRPOTrainer's own."""
 
 import itertools
 
@@ -16,13 +18,17 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "lusp
 N_ROWS = 6
 
 
-def make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, **extra):
+def make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, float64=False, **extra):
+    """A DPPOTrainer on the tiny model in train mode; ``float64``: the model in float64 (and TRL's float32 LM
+    head cast off), for exact oracles."""
+    if float64:
+        extra["cast_lm_head_to_fp32"] = False
     settings = dict(
         loss_type=loss_type,
         beta=beta,
         per_device_train_batch_size=N_ROWS // spg,
         steps_per_generation=spg,
-        gradient_accumulation_steps=spg,
+        gradient_accumulation_steps=extra.pop("gradient_accumulation_steps", spg),
         num_generations=2,
         max_completion_length=5,
         epsilon=0.2,
@@ -31,8 +37,10 @@ def make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, 
     )
     args = cpu_config(tmp_path, **{**settings, **extra})
     trainer = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    if float64:
+        trainer.model.double()
     trainer.model.train()
-    trainer.current_gradient_accumulation_steps = spg
+    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
     return trainer
 
 
@@ -73,7 +81,7 @@ def dppo_loss_and_grad(trainer, batch, keep, weights):
     """Total loss and gradient of one generation batch through DPPOTrainer's own split and loss."""
     b = dict(batch)
     b["dppo_keep"] = keep
-    b["dppo_weight"] = weights.float()
+    b["dppo_weight"] = weights.to(batch["advantages"].dtype)
     lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
     trainer._kept_lengths_per_rank = [lengths[keep].tolist()]
     trainer.model.zero_grad()
@@ -117,13 +125,59 @@ def systematic_outcomes(pi, order):
             yield hi - lo, keep, horvitz_thompson_weights(pi, keep)
 
 
-CASES = [(lt, beta, spg) for lt in LOSS_TYPES for beta in (0.0, 0.05) for spg in (1, 3)]
+class Float64LogProbs:
+    """Stand-in for TRL's fused log-prob kernel (which accumulates in float32): the same per-token log-probs and
+    entropies of ``hidden @ weight.T``, in the inputs' dtype, through plain autograd."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, labels, temperature, chunk_size, softcapping, logit_scale, outputs):
+        logits = hidden @ weight.T + (0 if bias is None else bias)
+        logits = logits * logit_scale
+        if softcapping is not None:
+            logits = softcapping * torch.tanh(logits / softcapping)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
+        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy, None, None, None
 
 
-@pytest.mark.parametrize("loss_type,beta,spg", CASES)
-def test_expected_loss_and_gradient_equal_the_full_batch(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg):
-    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg)
-    batch = synthetic_batch(trainer)
+def rms_norm_in_input_dtype(self, hidden_states):
+    """Qwen2's RMSNorm without its float32 round trip (which would also round the backward pass to float32)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture
+def exact_logprobs(monkeypatch):
+    """Every forward and backward of the test in float64: TRL's fused log-prob kernel (``Float64LogProbs``) and
+    the model's RMSNorm (``rms_norm_in_input_dtype``) are the two places that compute in float32."""
+    import trl.trainer.utils
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_in_input_dtype)
+
+
+def float64(batch):
+    """The batch's floating tensors in float64."""
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def assert_exact(value, reference):
+    """Equal to float64 rounding: relative 1e-9 of the largest entry (float32 rounding would be ~1e-7)."""
+    scale = float(reference.abs().max()) if reference.numel() > 1 else abs(float(reference))
+    torch.testing.assert_close(value, reference, rtol=1e-9, atol=1e-9 * max(scale, 1e-12))
+
+
+CASES = [(lt, beta, spg, ga) for lt in LOSS_TYPES for beta in (0.0, 0.05) for spg, ga in ((1, 1), (3, 3), (3, 1))]
+
+
+@pytest.mark.parametrize("loss_type,beta,spg,ga", CASES)
+def test_expected_loss_and_gradient_equal_the_full_batch(
+    tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type, beta, spg, ga
+):
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, float64=True,
+                           gradient_accumulation_steps=ga)  # fmt: skip
+    batch = float64(synthetic_batch(trainer))
     all_rows = torch.ones(N_ROWS, dtype=torch.bool)
     full_loss, full_grad = dppo_loss_and_grad(trainer, batch, all_rows, torch.ones(N_ROWS))
     assert full_grad.abs().sum() > 0
@@ -133,31 +187,31 @@ def test_expected_loss_and_gradient_equal_the_full_batch(tmp_path, tiny_model_di
     assert ((pi > 0) & (pi < 1)).sum() >= 3  # a genuinely random design
 
     loss, grad = expectation(trainer, batch, poisson_outcomes(pi))
-    assert float(loss) == pytest.approx(float(full_loss), rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(grad, full_grad, rtol=1e-4, atol=1e-7)
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
 
     order = torch.randperm(N_ROWS, generator=torch.Generator().manual_seed(1))
     loss, grad = expectation(trainer, batch, systematic_outcomes(pi, order))
-    assert float(loss) == pytest.approx(float(full_loss), rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(grad, full_grad, rtol=1e-4, atol=1e-7)
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_full_batch_loss_is_grpo_trainers_loss(tmp_path, tiny_model_dir, train_dataset, loss_type, beta):
+def test_full_batch_loss_is_grpo_trainers_loss(tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type, beta):
     """With one micro-batch and every row kept at weight 1, DPPO's loss and gradient are TRL's own."""
-    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg=1)
-    batch = synthetic_batch(trainer)
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg=1, float64=True)
+    batch = float64(synthetic_batch(trainer))
     loss, grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool), torch.ones(N_ROWS))
     trainer.model.zero_grad()
     trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, batch)
     trl_loss.backward()
     trl_grad = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.requires_grad]).double()
-    assert float(loss) == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(grad, trl_grad, rtol=1e-4, atol=1e-7)
+    assert_exact(loss, trl_loss.detach().double())
+    assert_exact(grad, trl_grad)
 
 
-def test_sequence_level_importance_sampling_is_unbiased_too(tmp_path, tiny_model_dir, train_dataset):
+def test_sequence_level_importance_sampling_is_unbiased_too(tmp_path, tiny_model_dir, train_dataset, exact_logprobs):
     trainer = make_trainer(
         tmp_path,
         tiny_model_dir,
@@ -165,12 +219,13 @@ def test_sequence_level_importance_sampling_is_unbiased_too(tmp_path, tiny_model
         "grpo",
         0.05,
         3,
+        float64=True,
         importance_sampling_level="sequence",
         use_bias_correction_kl=True,
     )
-    batch = synthetic_batch(trainer, seed=3)
+    batch = float64(synthetic_batch(trainer, seed=3))
     full_loss, full_grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool), torch.ones(N_ROWS))
     pi, _ = keep_probabilities(batch["advantages"], 0.5, 0.1, zero_score_contributes=True)
     loss, grad = expectation(trainer, batch, poisson_outcomes(pi))
-    assert float(loss) == pytest.approx(float(full_loss), rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(grad, full_grad, rtol=1e-4, atol=1e-7)
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
