@@ -26,15 +26,15 @@ import contextlib
 import json
 import math
 import os
-import time
 
 import torch
 from datasets import IterableDataset
-from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
+from .batch import filler_row, loss_mask, pad_to_width, select_rows, with_fillers
+from .callbacks import DataProgressBarCallback, DataProgressScheduler, DPPOSummaryCallback
 from .config import DPPOConfig
 from .metrics import ratio, weighted_mean_stats
 from .packing import (
@@ -69,25 +69,6 @@ from .pruning import (
     zero_spread_rows,
     zero_variance_mask,
 )
-
-
-def select_rows(batch: dict, index: torch.Tensor) -> dict:
-    """Rows ``index`` of every per-row entry of a TRL batch dict; scalars (0-dim tensors) and None pass through."""
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.ndim > 0:
-            out[key] = value[index.to(value.device)]
-        elif isinstance(value, list):
-            out[key] = [value[i] for i in index.tolist()]
-        else:
-            out[key] = value
-    return out
-
-
-def loss_mask(batch: dict) -> torch.Tensor:
-    """TRL's loss mask: the completion mask, times the tool mask where there is one."""
-    mask = batch["completion_mask"]
-    return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
 
 
 class DPPOTrainer(GRPOTrainer):
@@ -131,7 +112,7 @@ class DPPOTrainer(GRPOTrainer):
         self.add_callback(DPPOSummaryCallback())
         if args.prompt_pruning and args.max_steps <= 0:
             self.add_callback(
-                _DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks)
+                DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks)
             )
 
     # ------------------------------------------------------------------ hooks
@@ -242,9 +223,9 @@ class DPPOTrainer(GRPOTrainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.args.prompt_pruning and self.args.max_steps <= 0 and not isinstance(scheduler, _DataProgressScheduler):
+        if self.args.prompt_pruning and self.args.max_steps <= 0 and not isinstance(scheduler, DataProgressScheduler):
             # Epoch-based: the schedule was planned for GRPO's step count; drive it by data progress instead.
-            self.lr_scheduler = scheduler = _DataProgressScheduler(scheduler, self._grpo_equivalent_steps)
+            self.lr_scheduler = scheduler = DataProgressScheduler(scheduler, self._grpo_equivalent_steps)
         return scheduler
 
     def _grpo_equivalent_steps(self) -> int:
@@ -373,14 +354,17 @@ class DPPOTrainer(GRPOTrainer):
         values = {"entropy": entropies}
         if self.loss_type in self._CLIPPED_LOSS_TYPES:
             low, high = (coef_1 < 1 - self.epsilon_low) & (a < 0), (coef_1 > 1 + self.epsilon_high) & (a > 0)
-            values.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high})
+            values.update(
+                {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+            )
         elif self.loss_type == "cispo":
             values["cispo_clip_ratio"] = (coef_1 > self.epsilon_high) & (a > 0)
         elif self.loss_type == "vespo":
+            a_ = self.args
             values["vespo/phi_seq_mean"] = self.get_gamma_weights(
                 advantages=a, log_ratio_per_token=log_ratio, mask=mask,
-                importance_sampling_ratio=inputs.get("importance_sampling_ratio"), k_pos=self.args.vespo_k_pos,
-                lambda_pos=self.args.vespo_lambda_pos, k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg,
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"), k_pos=a_.vespo_k_pos,
+                lambda_pos=a_.vespo_lambda_pos, k_neg=a_.vespo_k_neg, lambda_neg=a_.vespo_lambda_neg,
             )  # fmt: skip
         stats = torch.stack([weighted_mean_stats(v.float(), mask, weight) for v in values.values()])
         stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
@@ -482,28 +466,15 @@ class DPPOTrainer(GRPOTrainer):
         if slots == 0:
             return output
         local_rows = output["dppo_keep"].size(0)
-        kept = output["dppo_keep"].nonzero().flatten()
         widths = torch.tensor([output["prompt_ids"].size(1), output["completion_ids"].size(1)])
-        prompt_width, completion_width = self.accelerator.gather(widths.to(self.accelerator.device)).view(-1, 2).amax(0)
-        sequence_is = str(self.vllm_importance_sampling_mode).startswith("sequence")
-        local_completion_width = output["completion_ids"].size(1)
-        leaving = kept[leaving]
+        widths = self.accelerator.gather(widths.to(self.accelerator.device)).view(-1, 2).amax(0).tolist()
+        per_sequence_ratio = str(self.vllm_importance_sampling_mode).startswith("sequence")
+        leaving = output["dppo_keep"].nonzero().flatten()[leaving]
         out = dict(output)
         for key in sorted(
             k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() and len(v) == local_rows
         ):
-            value = output[key]
-            fill = 1 if key == "importance_sampling_ratio" else 0
-            if key in ("prompt_ids", "completion_ids"):
-                fill = self._tokenizer.pad_token_id
-            if key.startswith("prompt_") and value.dim() > 1:
-                value = torch.nn.functional.pad(value, (int(prompt_width) - value.size(1), 0), value=fill)
-            elif (
-                value.dim() > 1
-                and value.size(1) == local_completion_width
-                and not (key == "importance_sampling_ratio" and sequence_is)
-            ):
-                value = torch.nn.functional.pad(value, (0, int(completion_width) - value.size(1)), value=fill)
+            value = pad_to_width(output, key, *widths, self._tokenizer.pad_token_id, per_sequence_ratio)
             send = value.new_zeros(slots, *value.shape[1:]) if key != "dppo_keep" else value.new_ones(slots)
             send[: len(leaving)] = value[leaving]
             gathered = self.accelerator.gather(send if key != "dppo_keep" else send.long()).to(value.dtype)
@@ -553,7 +524,9 @@ class DPPOTrainer(GRPOTrainer):
         per_call = self.args.per_device_train_batch_size
         if self.args.packing:
             budget, call_budget = self._packed_budget(width), per_call * width
-            plans = [plan_forward_calls(lengths, per_call, budget, call_budget) for lengths in self._kept_lengths_per_rank]
+            plans = [
+                plan_forward_calls(lengths, per_call, budget, call_budget) for lengths in self._kept_lengths_per_rank
+            ]
             mine = [rows[torch.tensor(g, dtype=torch.long)] for g in plans[self.accelerator.process_index] if g]
             num_calls = max(sum(1 for g in p if g) for p in plans)
         else:
@@ -640,7 +613,9 @@ class DPPOTrainer(GRPOTrainer):
         lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
         if self.args.packing:
             bins = [kept[b].tolist() for b in assign_microbatches([lengths[i] for i in kept.tolist()], spg, per_device)]
-            counts = [microbatch_row_counts(rank_lengths, spg, per_device) for rank_lengths in self._kept_lengths_per_rank]
+            counts = [
+                microbatch_row_counts(rank_lengths, spg, per_device) for rank_lengths in self._kept_lengths_per_rank
+            ]
             sizes = [max(1, *column) for column in zip(*counts)]
             order = microbatch_order(spg, torch.Generator().manual_seed(self._prune_seed() ^ 0x5851F42D4C957F2D))
             bins, sizes = [bins[j] for j in order], [sizes[j] for j in order]
@@ -648,21 +623,11 @@ class DPPOTrainer(GRPOTrainer):
             sizes = microbatch_sizes([len(r) for r in self._kept_lengths_per_rank], spg)
             bounds = [sum(sizes[:j]) for j in range(spg + 1)]
             bins = [kept[bounds[j] : bounds[j + 1]].tolist() for j in range(spg)]
-        filler = self._filler_row(batch)
-        microbatches = [self._with_fillers(select_rows(batch, torch.tensor(rows, dtype=torch.long)), filler, size)
+        filler = filler_row(batch)
+        microbatches = [with_fillers(select_rows(batch, torch.tensor(rows, dtype=torch.long)), filler, size)
                         for rows, size in zip(bins, sizes)]  # fmt: skip
         self._log_microbatch_metrics(batch, lengths, bins, sizes)
         return microbatches
-
-    @staticmethod
-    def _with_fillers(microbatch: dict, filler: dict, size: int) -> dict:
-        """``microbatch`` grown to ``size`` rows with copies of ``filler``."""
-        missing = size - len(microbatch["prompt_ids"])
-        if missing <= 0:
-            return microbatch
-        tensor = lambda v: isinstance(v, torch.Tensor) and v.ndim  # noqa: E731
-        return {k: torch.cat([v, filler[k].expand(missing, *v.shape[1:])]) if tensor(v) else v
-                for k, v in microbatch.items()}  # fmt: skip
 
     def _log_microbatch_metrics(self, batch, lengths, bins, sizes) -> None:
         """``dppo/token_density`` (real / allocated tokens) and ``dppo/microbatch_imbalance``, over all ranks."""
@@ -679,81 +644,3 @@ class DPPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         metrics["dppo/token_density"].append(float(stats[0] / stats[1]) if stats[1] > 0 else 0.0)
         metrics["dppo/microbatch_imbalance"].append(float(stats[2] / stats[3]) if stats[3] > 0 else 1.0)
-
-    @staticmethod
-    def _filler_row(batch) -> dict:
-        """A one-row batch that contributes exactly zero and costs one token: no loss token, one prompt token,
-        A = 0, weight 0, log-probs 0 and IS ratio 1 (so every TRL term is finite before it is masked)."""
-        row = select_rows(batch, torch.zeros(1, dtype=torch.long))
-        for key, value in row.items():
-            if not isinstance(value, torch.Tensor) or value.ndim == 0:
-                continue
-            if key == "prompt_mask":
-                value = torch.zeros_like(value)
-                value[:, -1] = 1  # prompts are left-padded: the last column is a real token
-            elif key == "importance_sampling_ratio":
-                value = torch.ones_like(value)
-            elif key not in ("prompt_ids", "completion_ids"):
-                value = torch.zeros_like(value)
-            row[key] = value
-        return row
-
-
-class _DataProgressScheduler:
-    """Wraps a step-based LR scheduler so that it follows data progress: each ``step()`` advances it to the
-    number of optimizer steps GRPO would have taken to consume the same prompts. A pruned epoch takes fewer
-    steps but the schedule still reaches its end with the last epoch."""
-
-    def __init__(self, scheduler, target_steps):
-        self.scheduler = scheduler
-        self.target_steps = target_steps
-
-    def step(self, *args, **kwargs):
-        target = self.target_steps()
-        while self.scheduler.last_epoch < target:
-            self.scheduler.step()
-
-    def __getattr__(self, name):
-        return getattr(self.scheduler, name)
-
-
-class DPPOSummaryCallback(TrainerCallback):
-    """Prints one line at the end of training: steps, wall time, reward at the first and last log, and the
-    kept fractions of completions and prompts."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        logs = [h for h in state.log_history if "reward" in h]
-        parts = [
-            f"{state.global_step} steps",
-            f"{time.perf_counter() - getattr(self, '_start', time.perf_counter()):.0f} s",
-        ]
-        if logs:
-            parts.append(f"reward {logs[0]['reward']:.3f} (first log) -> {logs[-1]['reward']:.3f} (last log)")
-        for key, label in (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_keep_rate", "prompts accepted")):
-            values = [h[key] for h in state.log_history if key in h]
-            if values:
-                parts.append(f"{label} {sum(values) / len(values):.3f}")
-        print("DPPO summary: " + ", ".join(parts))
-
-
-class _DataProgressBarCallback(TrainerCallback):
-    """Epoch-based runs with prompt pruning: the progress bar (planned for GRPO's step count) shows data
-    progress, the steps GRPO would have taken to walk as far through the data, so it ends full."""
-
-    def __init__(self, target_steps, callbacks):
-        self.target_steps = target_steps
-        self.callbacks = callbacks
-
-    def on_step_end(self, args, state, control, **kwargs):
-        from transformers.trainer_callback import ProgressCallback
-
-        for callback in self.callbacks():
-            bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
-            if bar is not None:
-                bar.n = min(max(self.target_steps(), state.global_step), bar.total or bar.n)
-                bar.refresh()

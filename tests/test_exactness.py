@@ -9,15 +9,20 @@ import pytest
 import torch
 import varlen_reference
 from conftest import cpu_config, random_reward
-from test_trainer import RecordingTrainer, count_logprob_rows, train
+from test_trainer import RecordingTrainer, train
 from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOTrainer
 from dppo_trl.packing import packed_allocation, plan_forward_calls
 from dppo_trl.prompts import PromptPruningSampler
-from dppo_trl.pruning import SUPPORTED_LOSS_TYPES, full_batch_normalizer, horvitz_thompson_weights
-from dppo_trl.pruning import prompt_weighted_token_count, zero_spread_rows
+from dppo_trl.pruning import (
+    SUPPORTED_LOSS_TYPES,
+    full_batch_normalizer,
+    horvitz_thompson_weights,
+    prompt_weighted_token_count,
+    zero_spread_rows,
+)
 
 VARLEN = varlen_reference.register()
 
@@ -66,8 +71,14 @@ def test_flash_semantics_trains_like_sdpa(tmp_path, tiny_model_dir, train_datase
     common = dict(max_steps=2, steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
                   completion_keep_rate=0.75)  # fmt: skip
     runs = [
-        train(DPPOTrainer, tmp_path / attn, tiny_model_dir, train_dataset,
-              model_init_kwargs={"attn_implementation": attn}, **common)  # fmt: skip
+        train(
+            DPPOTrainer,
+            tmp_path / attn,
+            tiny_model_dir,
+            train_dataset,
+            model_init_kwargs={"attn_implementation": attn},
+            **common,
+        )  # fmt: skip
         for attn in ("sdpa", VARLEN)
     ]
     losses = [[h["loss"] for h in r.state.log_history if "loss" in h] for r in runs]

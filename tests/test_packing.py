@@ -237,3 +237,60 @@ def test_balance_ranks_reaches_ten_percent_on_realistic_batches():
 def test_rank_imbalance():
     assert rank_imbalance([3, 3]) == 1.0 and rank_imbalance([4, 2]) == pytest.approx(4 / 3)
     assert rank_imbalance([0, 0]) == 1.0
+
+
+def test_packed_inputs_lay_real_tokens_back_to_back_with_restarting_positions():
+    from dppo_trl.packing import packed_inputs
+
+    pad = 0
+    ids = torch.tensor([[0, 5, 6, 7, 8], [9, 10, 11, 12, 0], [0, 16, 13, 14, 15]])  # prompt width 2, completion 3
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])
+    packed = packed_inputs(ids, mask, 3, [[1, 2], [0]], pad)
+    assert packed["input_ids"].tolist() == [[9, 10, 11, 12, 16, 13, 14, 15], [5, 6, 7, 8, 0, 0, 0, 0]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1, 2, 3]]
+    # Each completion token is the label of the position before it; nothing crosses a sequence boundary.
+    assert packed["shift_labels"].tolist() == [[-100, 11, 12, -100, 13, 14, 15, -100], [6, 7, 8] + [-100] * 5]
+    r, c, b, j = packed["index"]
+    assert sorted(zip(b.tolist(), j.tolist())) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+    assert all(packed["input_ids"][r_, c_] == ids[b_, 2 + j_] for r_, c_, b_, j_ in zip(r, c, b, j))
+
+
+def test_varlen_kwargs_mark_every_sequence_of_the_flattened_rows():
+    from dppo_trl.packing import varlen_kwargs
+
+    kwargs = varlen_kwargs(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]))
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9, 10] and kwargs["max_length_q"] == 4
+    assert kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"] and kwargs["max_length_k"] == 4
+
+
+def test_exchange_plan_sends_and_receives_the_planned_rows():
+    from dppo_trl.packing import exchange_plan
+
+    lengths = [[50, 40, 30, 5], [3], [4, 4]]
+    plan = balance_ranks(lengths, 0.1)
+    world = len(plan)
+    plans = [exchange_plan(plan, me) for me in range(world)]
+    slots = {p[0] for p in plans}
+    assert len(slots) == 1 and slots.pop() > 0
+    (slots,) = {p[0] for p in plans}
+    sent = {(src, k): src * slots + s for src, (_, leaving, _) in enumerate(plans) for s, k in enumerate(leaving)}
+    for me, (_, _, arriving) in enumerate(plans):
+        incoming = [(src, k) for src, k in plan[me] if src != me]
+        assert arriving == [sent[row] for row in incoming]
+    assert sum(len(p[1]) for p in plans) == len(sent) == sum(len(p[2]) for p in plans)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=lengths_strategy, m=st.integers(1, 6), cap=st.integers(1, 12))
+def test_row_cap_holds_where_the_rows_allow(lengths, m, cap):
+    bins = assign_microbatches(lengths, m, cap)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert max(len(b) for b in bins) <= max(cap, math.ceil(len(lengths) / m))
+
+
+def test_microbatch_order_is_a_seeded_permutation():
+    from dppo_trl.packing import microbatch_order
+
+    orders = {tuple(microbatch_order(4, torch.Generator().manual_seed(s))) for s in range(50)}
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders) and len(orders) > 10
+    assert microbatch_order(4, torch.Generator().manual_seed(3)) == microbatch_order(4, torch.Generator().manual_seed(3))

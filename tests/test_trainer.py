@@ -86,7 +86,13 @@ def test_pruning_path_with_every_row_kept_matches_grpo(tmp_path, tiny_model_dir,
     the normalizer rescale and the separate KL term must then reproduce GRPOTrainer step for step, also with
     gradient_accumulation_steps < steps_per_generation (padded micro-batches: TRL's own shuffled split)."""
     assert_every_row_kept_trains_like_grpo(
-        tmp_path, tiny_model_dir, train_dataset, loss_type, ga=ga, completion_keep_rate=0.5, keep_floor=1.0,
+        tmp_path,
+        tiny_model_dir,
+        train_dataset,
+        loss_type,
+        ga=ga,
+        completion_keep_rate=0.5,
+        keep_floor=1.0,
         packing=False,
     )
 

@@ -198,7 +198,9 @@ def test_expected_loss_and_gradient_equal_the_full_batch(
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_full_batch_loss_is_grpo_trainers_loss(tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type, beta):
+def test_full_batch_loss_is_grpo_trainers_loss(
+    tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type, beta
+):
     """With one micro-batch and every row kept at weight 1, DPPO's loss and gradient are TRL's own."""
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg=1, float64=True)
     batch = float64(synthetic_batch(trainer))
