@@ -105,7 +105,8 @@ def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
     import subprocess
 
     out = tmp_path / "gpu.json"
-    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="",
+               CHECK_OUT=str(tmp_path / "check.json"))  # fmt: skip
     script = Path(__file__).parent.parent / "benchmarks" / "gpu.sh"
     result = subprocess.run(["bash", str(script), "--steps", "4", "--cache", str(tmp_path / "cache")], env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
@@ -115,6 +116,8 @@ def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
     assert (grpo["method"], dppo["method"]) == ("grpo", "dppo") and data["device"].startswith("cpu")
     assert grpo["step_ratio_to_grpo"] == 1.0 and dppo["kept_fraction"] == 0.5
     assert dppo["training_phase_s"] > 0 and "step s" in result.stdout
+    check = json.loads((tmp_path / "check.json").read_text())  # packed == padded ran first, on every CPU kernel
+    assert {"sdpa", "eager", "varlen_reference"} <= set(check) and "MISMATCH" not in result.stdout
 
 
 def test_bench_balance_reports_the_imbalance_before_and_after(tmp_path):
