@@ -3,7 +3,8 @@ give (several sequences per packed row, position_ids restarting per sequence, cu
 kernel) against TRL's padded call, on a batch of long-tailed lengths. Exits 1 when a kernel disagrees.
 
 CUDA: bf16, ``sdpa`` and ``flash_attention_2`` (when flash-attn is installed); the tolerance is bf16's (a
-sequence mixed with its neighbours is off by O(1) nats). CPU: float32, sdpa, eager and the flash stand-in of the tests (``tests/varlen_reference.py``).
+sequence mixed with its neighbours is off by O(1) nats). CPU: float32, sdpa, eager and the flash stand-in of
+the tests (``tests/varlen_reference.py``).
 
     python benchmarks/check_packed.py --json out.json
 """

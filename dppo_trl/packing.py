@@ -204,6 +204,21 @@ def balance_ranks(lengths_per_rank: list[list[int]], tolerance: float = 0.1) -> 
         loads[light] += length(row)
 
 
+def plan_calls_per_rank(
+    lengths_per_rank: list[list[int]], widths_per_rank: list[int], rows_per_call: int, row_budget
+) -> list[list[list[int]]]:
+    """Every rank's forward calls of a deferred pass (``plan_forward_calls``), each rank's planned with its OWN
+    padded width (ranks pad their batches separately), then padded with empty calls to the same number on every
+    rank: what every rank computes identically from the gathered lengths and widths. ``row_budget``: padded
+    width -> row budget."""
+    plans = [
+        [g for g in plan_forward_calls(lengths, rows_per_call, row_budget(width), rows_per_call * width) if g]
+        for lengths, width in zip(lengths_per_rank, widths_per_rank)
+    ]
+    calls = max(1, max(len(p) for p in plans))
+    return [p + [[]] * (calls - len(p)) for p in plans]
+
+
 def packed_inputs(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, rows: list[list[int]], pad_id: int
 ) -> dict:

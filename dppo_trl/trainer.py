@@ -48,7 +48,7 @@ from .packing import (
     pack_call,
     packed_allocation,
     packed_inputs,
-    plan_forward_calls,
+    plan_calls_per_rank,
     rank_imbalance,
     varlen_kwargs,
 )
@@ -107,6 +107,7 @@ class DPPOTrainer(GRPOTrainer):
         self._captured_logps: list | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
+        self._widths_per_rank: list[int] = []
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = is_varlen_attention(attention)
         self.add_callback(DPPOSummaryCallback())
@@ -408,6 +409,8 @@ class DPPOTrainer(GRPOTrainer):
         which each rank derives the common micro-batch row counts and forward calls."""
         local_rows = output["advantages"].size(0)
         lengths = self.accelerator.gather(output["completion_mask"].sum(1) + output["prompt_mask"].sum(1)).cpu()
+        width = torch.tensor([output["prompt_ids"].size(1) + output["completion_ids"].size(1)])
+        self._widths_per_rank = self.accelerator.gather(width.to(self.accelerator.device)).tolist()
         loss_tokens = self.accelerator.gather(loss_mask(output).sum(1)).cpu()
         design, rate = self.args.prune_sampling, self.args.completion_keep_rate
         pi = None
@@ -468,6 +471,7 @@ class DPPOTrainer(GRPOTrainer):
         local_rows = output["dppo_keep"].size(0)
         widths = torch.tensor([output["prompt_ids"].size(1), output["completion_ids"].size(1)])
         widths = self.accelerator.gather(widths.to(self.accelerator.device)).view(-1, 2).amax(0).tolist()
+        self._widths_per_rank = [sum(widths)] * self.accelerator.num_processes  # every rank pads to the widest
         per_sequence_ratio = str(self.vllm_importance_sampling_mode).startswith("sequence")
         leaving = output["dppo_keep"].nonzero().flatten()[leaving]
         out = dict(output)
@@ -496,7 +500,7 @@ class DPPOTrainer(GRPOTrainer):
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         filler_mask = torch.zeros_like(attention_mask[:1])
         filler_mask[:, output["prompt_ids"].size(1) - 1] = 1  # one real token: the last prompt column
-        groups = self._deferred_call_groups(rows, input_ids.size(1))
+        groups = self._deferred_call_groups(rows)
         logits_to_keep = output["completion_ids"].size(1)
         # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
         has_ref = int(self.beta != 0.0)
@@ -519,20 +523,17 @@ class DPPOTrainer(GRPOTrainer):
         if "importance_sampling_ratio" in output:  # on every rank: it gathers metrics
             self._recompute_vllm_importance_sampling(output, rows)
 
-    def _deferred_call_groups(self, rows: torch.Tensor, width: int) -> list[torch.Tensor]:
-        """The kept rows of each forward call of a deferred pass, as many calls on every rank."""
+    def _deferred_call_groups(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The kept rows of each forward call of a deferred pass, as many calls on every rank (each rank's calls
+        planned from the gathered kept lengths and padded widths of every rank)."""
         per_call = self.args.per_device_train_batch_size
         if self.args.packing:
-            budget, call_budget = self._packed_budget(width), per_call * width
-            plans = [
-                plan_forward_calls(lengths, per_call, budget, call_budget) for lengths in self._kept_lengths_per_rank
-            ]
-            mine = [rows[torch.tensor(g, dtype=torch.long)] for g in plans[self.accelerator.process_index] if g]
-            num_calls = max(sum(1 for g in p if g) for p in plans)
-        else:
-            num_calls = max(-(-len(lengths) // per_call) for lengths in self._kept_lengths_per_rank)
-            mine = [g for g in torch.tensor_split(rows, max(num_calls, 1)) if g.numel()]
-        num_calls = max(num_calls, 1)
+            plans = plan_calls_per_rank(
+                self._kept_lengths_per_rank, self._widths_per_rank, per_call, self._packed_budget
+            )
+            return [rows[torch.tensor(g, dtype=torch.long)] for g in plans[self.accelerator.process_index]]
+        num_calls = max(1, max(-(-len(lengths) // per_call) for lengths in self._kept_lengths_per_rank))
+        mine = [g for g in torch.tensor_split(rows, num_calls) if g.numel()]
         return mine + [rows[:0]] * (num_calls - len(mine))
 
     def _recompute_vllm_importance_sampling(self, output, rows):

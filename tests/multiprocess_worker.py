@@ -119,7 +119,7 @@ def main(argv):
         # (reduce-scatter) deferred to the last micro-batch of each accumulation window.
         from transformers.distributed import DistributedConfig
 
-        sharding = dict(model_init_kwargs={"distributed_config": DistributedConfig(fsdp_size=2)})
+        sharding = {"model_init_kwargs": {"distributed_config": DistributedConfig(fsdp_size=2)}}
     args = cpu_config(
         Path(a.out_dir),
         max_steps=a.max_steps,
@@ -169,7 +169,9 @@ def main(argv):
         "forward_passes": forward_passes(calls),
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "wrapped": type(trainer.model_wrapped).__name__,
-        "fsdp_units": {name: fsdp_units(model) for name, model in (("policy", trainer.model), ("ref", trainer.ref_model))},
+        "fsdp_units": {
+            name: fsdp_units(model) for name, model in (("policy", trainer.model), ("ref", trainer.ref_model))
+        },
     }
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     # Leave without running destructors: freeing DDP's reducer frees its gloo process group, whose destructor

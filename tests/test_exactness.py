@@ -11,9 +11,11 @@ import varlen_reference
 from conftest import cpu_config, random_reward
 from test_trainer import RecordingTrainer, train
 from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
+from test_vllm_path import SimulatedVLLM
+from test_vllm_path import run as vllm_config
 from trl import GRPOConfig, GRPOTrainer
 
-from dppo_trl import DPPOTrainer
+from dppo_trl import DPPOConfig, DPPOTrainer
 from dppo_trl.packing import packed_allocation, plan_forward_calls
 from dppo_trl.prompts import PromptPruningSampler
 from dppo_trl.pruning import (
@@ -49,10 +51,13 @@ def test_packed_logprobs_equal_padded_under_flash_semantics(tmp_path, tiny_model
     assert (ent[m] - pent[m]).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("spg,ga", [(3, 3), (3, 1)])
-def test_packed_update_equals_padded_under_flash_semantics(tmp_path, tiny_model_dir, train_dataset, spg, ga):
+@pytest.mark.parametrize("spg,ga,budget", [(1, 1, 16), (1, 1, None), (3, 1, 8)])
+def test_packed_update_equals_padded_under_flash_semantics(tmp_path, tiny_model_dir, train_dataset, spg, ga, budget):
+    """Several sequences per packed row and several rows in one call (budget 16: 0.1 mixed them, loss 1.62298
+    against 1.62393 padded), the default budget (one row per call), and GA < spg."""
+    extra = {} if budget is None else {"max_packed_tokens": budget}
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, spg, gradient_accumulation_steps=ga,
-                           max_packed_tokens=8, model_init_kwargs={"attn_implementation": VARLEN})  # fmt: skip
+                           model_init_kwargs={"attn_implementation": VARLEN}, **extra)  # fmt: skip
     trainer.current_gradient_accumulation_steps = ga
     batch = synthetic_batch(trainer, seed=2)
     keep = torch.tensor([True, True, False, True, True, True])
@@ -300,3 +305,46 @@ def test_ess_and_weight_max_include_the_prompt_weights(tmp_path, tiny_model_dir,
     assert logs and any(h["dppo/prompt_weight_max"] > 1 for h in logs)
     for h in logs:
         assert h["dppo/weight_max"] == pytest.approx(h["dppo/prompt_weight_max"])
+
+
+def test_weight_max_is_the_largest_completion_times_prompt_weight(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
+                    prompt_keep_rate=0.5, completion_keep_rate=0.5)  # fmt: skip
+    logs = [h for h in trainer.state.log_history if "dppo/weight_max" in h]
+    assert len(logs) == len(trainer.records) == 6 and any(h["dppo/prompt_weight_max"] > 1 for h in logs)
+    for h, r in zip(logs, trainer.records):
+        assert h["dppo/weight_max"] == pytest.approx(float(r["dppo_weight"].max()), rel=1e-6)
+
+
+class WeightedSamplingRecorder(SimulatedVLLM, DPPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            keys = ("importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps", "completion_mask",
+                    "dppo_keep", "dppo_weight")  # fmt: skip
+            self.__dict__.setdefault("full", []).append({k: out[k].detach().clone().double() for k in keys})
+        return out
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_sampling_means_are_horvitz_thompson_weighted(tmp_path, tiny_model_dir, train_dataset, mode):
+    args = vllm_config(WeightedSamplingRecorder, DPPOConfig, tmp_path, mode, max_steps=2, completion_keep_rate=0.5)
+    trainer = WeightedSamplingRecorder(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    trainer.use_vllm = True
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
+    assert len(logs) == len(trainer.full) == 2
+    for h, r in zip(logs, trainer.full):
+        keep, w, m = r["dppo_keep"].bool(), r["dppo_weight"], r["completion_mask"]
+        assert 0 < int(keep.sum()) < keep.numel() and len(set(w[keep].tolist())) > 1  # weights that differ
+        ratio = r["importance_sampling_ratio"]
+        wm = (m * w[:, None])[keep]
+        if ratio.size(1) == 1:
+            present = (m.sum(1) > 0).double()
+            want = float((w * present * ratio[:, 0])[keep].sum() / (w * present)[keep].sum())
+        else:
+            want = float((ratio[keep] * wm).sum() / wm.sum())
+        delta = (r["old_per_token_logps"] - r["sampling_per_token_logps"]).abs()
+        assert h["sampling/importance_sampling_ratio/mean"] == pytest.approx(want, rel=1e-5)
+        assert h["sampling/sampling_logp_difference/mean"] == pytest.approx(float((delta[keep] * wm).sum() / wm.sum()),
+                                                                             rel=1e-5)  # fmt: skip

@@ -19,6 +19,7 @@ from dppo_trl.packing import (
     microbatch_row_counts,
     pack_rows,
     packed_layout,
+    plan_forward_calls,
     rank_imbalance,
 )
 
@@ -293,4 +294,29 @@ def test_microbatch_order_is_a_seeded_permutation():
 
     orders = {tuple(microbatch_order(4, torch.Generator().manual_seed(s))) for s in range(50)}
     assert all(sorted(o) == [0, 1, 2, 3] for o in orders) and len(orders) > 10
-    assert microbatch_order(4, torch.Generator().manual_seed(3)) == microbatch_order(4, torch.Generator().manual_seed(3))
+    assert microbatch_order(4, torch.Generator().manual_seed(3)) == microbatch_order(
+        4, torch.Generator().manual_seed(3)
+    )
+
+
+def test_every_rank_plans_as_many_calls_though_ranks_pad_to_different_widths():
+    """Ranks pad their batches separately: each rank's calls are planned with its own width, from gathered lengths
+    and widths, so every rank computes the same plans. Planned with one rank's local width instead (0.1's bug),
+    rank 1 would count 2 calls for rank 0's rows [14, 2, 8] (14 > its width 13) where rank 0 makes 1: a hang
+    under ZeRO-3/FSDP."""
+    from dppo_trl.packing import packed_allocation, plan_calls_per_rank
+
+    lengths, widths, per_call = [[14, 2, 8], [13, 3, 9]], [14, 13], 2
+    plans = plan_calls_per_rank(lengths, widths, per_call, row_budget=lambda width: width)
+    for rank, (rank_lengths, width) in enumerate(zip(lengths, widths)):
+        assert plans[rank] == plan_forward_calls(rank_lengths, per_call, width, per_call * width) == [[0, 2, 1]]
+        for call in plans[rank]:
+            assert packed_allocation([rank_lengths[i] for i in call], width, per_call * width) <= per_call * width
+    assert len(plan_forward_calls(lengths[0], per_call, widths[1], per_call * widths[1])) == 2  # the wrong width
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        world = int(torch.randint(2, 5, (), generator=generator))
+        widths = torch.randint(4, 40, (world,), generator=generator).tolist()
+        lengths = [torch.randint(1, w + 1, (int(torch.randint(0, 12, (), generator=generator)),), generator=generator)
+                   .tolist() for w in widths]  # fmt: skip
+        assert len({len(p) for p in plan_calls_per_rank(lengths, widths, 3, lambda w: w)}) == 1
