@@ -3,6 +3,7 @@ follow data progress in epoch-based runs with prompt pruning."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from transformers import TrainerCallback
@@ -26,6 +27,15 @@ class DataProgressScheduler:
         return getattr(self.scheduler, name)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(value) -> str:
+    """A logged value for the summary line: 3 decimals, or "n/a" (None, NaN: e.g. every reward was None)."""
+    return f"{value:.3f}" if _is_number(value) else "n/a"
+
+
 class DPPOSummaryCallback(TrainerCallback):
     """Prints one line at the end of training: steps, wall time, reward at the first and last log, and the
     kept fractions of completions and prompts."""
@@ -42,9 +52,9 @@ class DPPOSummaryCallback(TrainerCallback):
             f"{time.perf_counter() - getattr(self, '_start', time.perf_counter()):.0f} s",
         ]
         if logs:
-            parts.append(f"reward {logs[0]['reward']:.3f} (first log) -> {logs[-1]['reward']:.3f} (last log)")
+            parts.append(f"reward {_number(logs[0]['reward'])} (first log) -> {_number(logs[-1]['reward'])} (last log)")
         for key, label in (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_keep_rate", "prompts accepted")):
-            values = [h[key] for h in state.log_history if key in h]
+            values = [h[key] for h in state.log_history if _is_number(h.get(key))]
             if values:
                 parts.append(f"{label} {sum(values) / len(values):.3f}")
         print("DPPO summary: " + ", ".join(parts))

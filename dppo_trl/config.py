@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from transformers.utils import logging
 from trl import GRPOConfig
 
 from .pruning import SAMPLING_DESIGNS, SUPPORTED_LOSS_TYPES, UNBIASED_DESIGNS
+
+logger = logging.get_logger(__name__)
 
 _DEFAULT_KEEP_RATE = 0.5
 _DEFAULT_KEEP_FLOOR = 0.05
@@ -225,3 +229,16 @@ class DPPOConfig(GRPOConfig):
                 "or packing yet. Use entropy_coef=0.0 and use_adaptive_entropy=False, or completion_keep_rate=1.0 with "
                 "packing=False."
             )
+
+
+def as_dppo_config(args: GRPOConfig) -> DPPOConfig:
+    """``args`` itself when it is a ``DPPOConfig``; a ``GRPOConfig`` becomes the ``DPPOConfig`` with the same GRPO
+    fields and DPPO's defaults (one info line says so): swapping only the trainer class keeps the setup."""
+    if isinstance(args, DPPOConfig):
+        return args
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"args must be a DPPOConfig or a GRPOConfig, got {type(args).__name__}.")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
+    values["generation_batch_size"] = None  # derived from steps_per_generation by __post_init__, as it was
+    logger.info("DPPOTrainer got a GRPOConfig: using it as a DPPOConfig with DPPO's defaults for the DPPO fields.")
+    return DPPOConfig(**values)

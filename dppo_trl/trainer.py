@@ -29,13 +29,13 @@ import os
 
 import torch
 from datasets import IterableDataset
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
 from .batch import filler_row, loss_mask, pad_to_width, select_rows, with_fillers
 from .callbacks import DataProgressBarCallback, DataProgressScheduler, DPPOSummaryCallback
-from .config import DPPOConfig
+from .config import DPPOConfig, as_dppo_config
 from .metrics import ratio, weighted_mean_stats
 from .packing import (
     assign_microbatches,
@@ -77,22 +77,40 @@ class DPPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "dppo"]
 
-    def __init__(self, model, reward_funcs, args: DPPOConfig | None = None, *pargs, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: DPPOConfig | GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        """``GRPOTrainer.__init__``'s parameters, names, order and defaults; a ``GRPOConfig`` is taken as the
+        ``DPPOConfig`` with DPPO's defaults."""
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = DPPOConfig(f"{str(name).split('/')[-1] or 'model'}-DPPO")
-        if not isinstance(args, DPPOConfig):
-            raise TypeError(
-                f"DPPOTrainer needs args of type DPPOConfig, got {type(args).__name__}: build it with "
-                "DPPOConfig(...) (it accepts every GRPOConfig field)."
-            )
-        train_dataset = kwargs.get("train_dataset", pargs[0] if pargs else None)
+        args = as_dppo_config(args)
         if args.prompt_pruning and isinstance(train_dataset, IterableDataset):  # checked before any model loads
             raise ValueError(
                 f"prompt_keep_rate={args.prompt_keep_rate!r}: prompt pruning needs a map-style dataset (it keeps a "
                 "history per dataset row); a streaming IterableDataset is not supported. Use prompt_keep_rate=1.0."
             )
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        super().__init__(
+            model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
+            peft_config=peft_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
+        )  # fmt: skip
         if args.dppo_training_path and self.aux_loss_enabled:
             raise ValueError(
                 f"router_aux_loss_coef={self.router_aux_loss_coef!r}: the MoE load-balancing loss is not a sum of "
@@ -409,7 +427,7 @@ class DPPOTrainer(GRPOTrainer):
         which each rank derives the common micro-batch row counts and forward calls."""
         local_rows = output["advantages"].size(0)
         lengths = self.accelerator.gather(output["completion_mask"].sum(1) + output["prompt_mask"].sum(1)).cpu()
-        width = torch.tensor([output["prompt_ids"].size(1) + output["completion_ids"].size(1)])
+        width = torch.tensor([output["prompt_mask"].size(1) + output["completion_mask"].size(1)])
         self._widths_per_rank = self.accelerator.gather(width.to(self.accelerator.device)).tolist()
         loss_tokens = self.accelerator.gather(loss_mask(output).sum(1)).cpu()
         design, rate = self.args.prune_sampling, self.args.completion_keep_rate

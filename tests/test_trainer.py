@@ -334,8 +334,44 @@ def test_rows_without_loss_tokens_are_never_kept(tmp_path, tiny_model_dir, train
     assert dead_seen
 
 
-def test_grpo_config_is_refused_with_a_clear_message(tmp_path, tiny_model_dir, train_dataset):
-    with pytest.raises(TypeError, match="DPPOConfig"):
-        DPPOTrainer(
-            tiny_model_dir, random_reward, args=cpu_config(tmp_path, cls=GRPOConfig), train_dataset=train_dataset
-        )
+def test_a_grpo_config_is_taken_with_dppos_defaults(tmp_path, tiny_model_dir, train_dataset):
+    grpo_args = cpu_config(tmp_path, cls=GRPOConfig, steps_per_generation=2, gradient_accumulation_steps=1,
+                           loss_type="bnpo", beta=0.05)  # fmt: skip
+    trainer = DPPOTrainer(tiny_model_dir, random_reward, args=grpo_args, train_dataset=train_dataset)
+    assert isinstance(trainer.args, DPPOConfig)
+    for name in ("loss_type", "beta", "steps_per_generation", "generation_batch_size", "per_device_train_batch_size",
+                 "learning_rate", "output_dir", "num_generations", "max_completion_length"):  # fmt: skip
+        assert getattr(trainer.args, name) == getattr(grpo_args, name), name
+    defaults = {f.name: f.default for f in DPPOConfig.__dataclass_fields__.values()}
+    for name in ("completion_keep_rate", "keep_floor", "prune_sampling", "packing", "prompt_keep_rate"):
+        assert getattr(trainer.args, name) == defaults[name], name
+    trainer.train()
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_init_mirrors_grpo_trainers_signature():
+    import inspect
+
+    ours = list(inspect.signature(DPPOTrainer.__init__).parameters.values())
+    theirs = list(inspect.signature(GRPOTrainer.__init__).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours] == [(p.name, p.kind, p.default) for p in theirs]
+
+
+def test_no_reward_source_fails_as_grpo_does(tmp_path, tiny_model_dir, train_dataset):
+    errors = []
+    for cls, cfg in ((GRPOTrainer, GRPOConfig), (DPPOTrainer, DPPOConfig)):
+        with pytest.raises(Exception) as raised:
+            cls(tiny_model_dir, args=cpu_config(tmp_path / cls.__name__, cls=cfg), train_dataset=train_dataset)
+        errors.append(raised)
+    assert errors[0].type is errors[1].type and "reward" in str(errors[1].value).lower()
+
+
+def no_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def test_summary_line_survives_rewards_that_are_all_none(tmp_path, tiny_model_dir, train_dataset, capsys):
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, reward=no_reward, max_steps=2)
+    assert trainer.state.global_step == 2
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DPPO summary:")]
+    assert line and "2 steps" in line[0]
