@@ -147,15 +147,6 @@ class DPPOConfig(GRPOConfig):
         decay = self.prompt_history_decay
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
             raise ValueError(f"prompt_history_decay={decay!r} is invalid: it must be a number in [0, 1).")
-        if not self.prompt_pruning:
-            for name, default in (
-                ("prompt_keep_floor", _DEFAULT_PROMPT_KEEP_FLOOR),
-                ("prompt_history_decay", _DEFAULT_PROMPT_HISTORY_DECAY),
-            ):
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} is not used while prompt_keep_rate=1.0 (prompt pruning off)."
-                    )
         if not isinstance(self.packing, bool):
             raise ValueError(f"packing={self.packing!r} is invalid: it must be True or False.")
         if self.max_packed_tokens is not None and (
@@ -166,17 +157,6 @@ class DPPOConfig(GRPOConfig):
             raise ValueError(
                 f"max_packed_tokens={self.max_packed_tokens!r} is invalid: it must be None or an integer >= 1."
             )
-        if self.max_packed_tokens is not None and not self.packing:
-            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} is not used with packing=False.")
-        if not self.completion_pruning:
-            off = "is not used while completion_keep_rate=1.0 (completion pruning off)"
-            if self.prune_sampling != "systematic":
-                raise ValueError(f"prune_sampling={self.prune_sampling!r} {off}; 'zero_variance' is the one design "
-                                 "that prunes at completion_keep_rate=1.0.")  # fmt: skip
-            if self.keep_floor != _DEFAULT_KEEP_FLOOR:
-                raise ValueError(f"keep_floor={self.keep_floor!r} {off}.")
-            if self.prune_seed is not None and not self.prompt_pruning:
-                raise ValueError(f"prune_seed={self.prune_seed!r} {off} and prompt_keep_rate=1.0 (prompt pruning off).")
         scale = self.scale_rewards if isinstance(self.scale_rewards, str) else "group" if self.scale_rewards else "none"
         if self.prompt_pruning and (scale == "batch" or self.multi_objective_aggregation == "normalize_then_sum"):
             raise ValueError(
@@ -185,35 +165,50 @@ class DPPOConfig(GRPOConfig):
                 "over the accepted prompts is not GRPO's over the batch it would have drawn. Use scale_rewards='group' "
                 "or 'none' with multi_objective_aggregation='sum_then_normalize', or prompt_keep_rate=1.0."
             )
-        if not self.dppo_training_path:
-            return
-        self._validate_row_separable_loss()
-        if not self.completion_pruning:
-            return
-        biased = self.prune_sampling not in UNBIASED_DESIGNS
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:  # GRPOConfig accepts a typo and fails at the first loss
+            raise ValueError(
+                f"loss_type={self.loss_type!r} is invalid: it must be one of {list(SUPPORTED_LOSS_TYPES)}."
+            )
+        unused = self._unused_settings()
+        if unused:
+            logger.warning("DPPOConfig: " + "; ".join(unused) + ".")
+        if self.dppo_training_path:
+            self._validate_row_separable_loss()
+
+    def _unused_settings(self) -> list[str]:
+        """Valid settings that the current configuration does not use (a warning, not an error: sweeps and one-flag
+        baselines override one field over a recipe that sets others), and a floor that raises the kept fraction."""
+        unused = []
+        if not self.prompt_pruning:
+            for name, default in (("prompt_keep_floor", _DEFAULT_PROMPT_KEEP_FLOOR),
+                                  ("prompt_history_decay", _DEFAULT_PROMPT_HISTORY_DECAY)):  # fmt: skip
+                if getattr(self, name) != default:
+                    unused.append(f"{name}={getattr(self, name)!r} is not used while prompt_keep_rate=1.0")
+        if self.max_packed_tokens is not None and not self.packing:
+            unused.append(f"max_packed_tokens={self.max_packed_tokens!r} is not used with packing=False")
+        deterministic = not self.completion_pruning or self.prune_sampling not in UNBIASED_DESIGNS
+        why = "completion_keep_rate=1.0" if not self.completion_pruning else f"prune_sampling={self.prune_sampling!r}"
+        if not self.completion_pruning and self.prune_sampling != "systematic":
+            unused.append(f"prune_sampling={self.prune_sampling!r} is not used while completion_keep_rate=1.0")
+        if deterministic and self.keep_floor != _DEFAULT_KEEP_FLOOR:
+            unused.append(f"keep_floor={self.keep_floor!r} is not used with {why}")
+        if deterministic and self.prune_seed is not None and not self.prompt_pruning:
+            unused.append(f"prune_seed={self.prune_seed!r} is not used with {why} and prompt_keep_rate=1.0")
         if self.prune_sampling == "zero_variance" and self.completion_keep_rate not in (_DEFAULT_KEEP_RATE, 1.0):
-            raise ValueError(
+            unused.append(
                 f"completion_keep_rate={self.completion_keep_rate!r} is not used by prune_sampling='zero_variance' "
-                "(it drops exactly the groups whose rewards are all equal); leave it at its default."
+                "(it drops exactly the groups whose rewards are all equal)"
             )
-        if biased and self.keep_floor != _DEFAULT_KEEP_FLOOR:
-            raise ValueError(
-                f"keep_floor={self.keep_floor!r} is not used by prune_sampling={self.prune_sampling!r}; "
-                f"it applies to {list(UNBIASED_DESIGNS)} only."
+        if self.completion_pruning and not deterministic and self.keep_floor > self.completion_keep_rate:
+            unused.append(
+                f"keep_floor={self.keep_floor!r} is above completion_keep_rate={self.completion_keep_rate!r}: every "
+                "row that can contribute is kept with probability at least keep_floor, so more than "
+                "completion_keep_rate is kept (weights up to 1 / keep_floor)"
             )
-        if biased and self.prune_seed is not None and not self.prompt_pruning:
-            raise ValueError(
-                f"prune_seed={self.prune_seed!r} is not used by the deterministic prune_sampling="
-                f"{self.prune_sampling!r}; it applies to {list(UNBIASED_DESIGNS)} only."
-            )
+        return unused
 
     def _validate_row_separable_loss(self) -> None:
         """DPPO reweights and renormalizes the loss row by row: every term must be a sum of per-row terms."""
-        if self.loss_type not in SUPPORTED_LOSS_TYPES:
-            raise ValueError(
-                f"loss_type={self.loss_type!r} is not supported with completion pruning or packing; "
-                f"expected one of {list(SUPPORTED_LOSS_TYPES)} (or completion_keep_rate=1.0 with packing=False)."
-            )
         # Terms that are not a sum of per-row contributions cannot be reweighted row by row.
         if self.top_entropy_quantile < 1.0:
             raise ValueError(

@@ -101,14 +101,12 @@ def test_bad_values_name_the_field(field, value):
         (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
-        (dict(prune_sampling="zero_variance", completion_keep_rate=0.3), "completion_keep_rate"),
-        (dict(prune_sampling="topk", keep_floor=0.2), "keep_floor"),
-        (dict(prune_sampling="topk", prune_seed=3), "prune_seed"),
-        (dict(packing=False, max_packed_tokens=64), "max_packed_tokens"),
         (dict(completion_keep_rate=1.0, entropy_coef=0.01), "entropy_coef"),
+        (dict(completion_keep_rate=1.0, packing=False, loss_type="dapoo"), "loss_type"),  # a typo, in any setting
+        (dict(loss_type="dapoo"), "loss_type"),
     ],
 )
-def test_combinations_that_cannot_stay_unbiased_or_are_unused_are_rejected(kwargs, field):
+def test_combinations_that_cannot_stay_unbiased_are_rejected(kwargs, field):
     with pytest.raises(ValueError, match=field):
         make(**kwargs)
 
@@ -139,23 +137,40 @@ def test_every_dppo_field_is_in_the_config_reference():
         (dict(prompt_history_decay=0.9), "prompt_history_decay"),
         (dict(completion_keep_rate=1.0, keep_floor=0.2), "keep_floor"),  # completion pruning off
         (dict(completion_keep_rate=1.0, prune_sampling="poisson"), "prune_sampling"),
+        (dict(completion_keep_rate=1.0, prune_seed=3), "prune_seed"),
+        (dict(prune_sampling="zero_variance", completion_keep_rate=0.3), "completion_keep_rate"),
+        (dict(prune_sampling="topk", keep_floor=0.2), "keep_floor"),
+        (dict(prune_sampling="topk", prune_seed=3), "prune_seed"),
+        (dict(packing=False, max_packed_tokens=64), "max_packed_tokens"),
+        (dict(completion_keep_rate=0.01), "keep_floor"),  # the floor keeps more than the rate
     ],
 )
-def test_settings_that_would_be_silently_ignored_are_rejected(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        make(**kwargs)
+def test_valid_settings_that_the_configuration_does_not_use_warn_once(kwargs, field, caplog):
+    """Sweeps and one-flag baselines override one field over a recipe that sets others: a warning, not an error."""
+    with caplog.at_level("WARNING", logger="dppo_trl.config"):
+        cfg = make(**kwargs)
+    warnings = [r for r in caplog.records if r.name == "dppo_trl.config" and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and field in warnings[0].getMessage()
+    for name, value in kwargs.items():
+        assert getattr(cfg, name) == value
+
+
+def test_a_configuration_that_uses_every_setting_does_not_warn(caplog):
+    with caplog.at_level("WARNING", logger="dppo_trl.config"):
+        make(completion_keep_rate=0.3, keep_floor=0.1, prune_seed=2, prompt_keep_rate=0.5, prompt_keep_floor=0.2,
+             max_packed_tokens=64)  # fmt: skip
+    assert not [r for r in caplog.records if r.name == "dppo_trl.config"]
 
 
 def test_trainer_rejects_bad_setups_before_loading_any_model(tmp_path):
     """The model path does not exist: an error about it would mean the model was loaded first."""
     from datasets import Dataset, IterableDataset
-    from trl import GRPOConfig
 
     from dppo_trl import DPPOTrainer
 
     missing = str(tmp_path / "no-such-model")
-    with pytest.raises(TypeError, match="DPPOConfig"):
-        DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=GRPOConfig(**BASE))
+    with pytest.raises(TypeError, match="GRPOConfig"):
+        DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=dict(BASE))
     rows = Dataset.from_dict({"prompt": ["1+1="] * 8})
     streaming = IterableDataset.from_generator(lambda: iter(rows))
     with pytest.raises(ValueError, match="prompt_keep_rate"):
