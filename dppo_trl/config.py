@@ -172,8 +172,6 @@ class DPPOConfig(GRPOConfig):
         unused = self._unused_settings()
         if unused:
             logger.warning("DPPOConfig: " + "; ".join(unused) + ".")
-        if self.dppo_training_path:
-            self._validate_row_separable_loss()
 
     def _unused_settings(self) -> list[str]:
         """Valid settings that the current configuration does not use (a warning, not an error: sweeps and one-flag
@@ -206,24 +204,6 @@ class DPPOConfig(GRPOConfig):
                 "completion_keep_rate is kept (weights up to 1 / keep_floor)"
             )
         return unused
-
-    def _validate_row_separable_loss(self) -> None:
-        """DPPO reweights and renormalizes the loss row by row: every term must be a sum of per-row terms."""
-        # Terms that are not a sum of per-row contributions cannot be reweighted row by row.
-        if self.top_entropy_quantile < 1.0:
-            raise ValueError(
-                f"top_entropy_quantile={self.top_entropy_quantile!r} cannot be combined with completion pruning or "
-                "packing: the entropy quantile is taken over the micro-batch, so it changes with the kept rows and "
-                "the estimate would be biased. Use top_entropy_quantile=1.0, or completion_keep_rate=1.0 with "
-                "packing=False."
-            )
-        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
-            raise ValueError(
-                f"entropy_coef={self.entropy_coef!r} / use_adaptive_entropy={self.use_adaptive_entropy!r}: the "
-                "entropy bonus is normalized per micro-batch by TRL and is not supported with completion pruning "
-                "or packing yet. Use entropy_coef=0.0 and use_adaptive_entropy=False, or completion_keep_rate=1.0 with "
-                "packing=False."
-            )
 
 
 def as_dppo_config(args: GRPOConfig) -> DPPOConfig:

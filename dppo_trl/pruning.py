@@ -227,6 +227,12 @@ def trl_microbatch_normalizer(
     )
 
 
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+    """TRL's adaptive entropy controller, one optimizer step: raise the coefficient by ``delta`` (up to ``high``)
+    while the window's entropy is at or below ``target``, lower it (down to ``low``) otherwise."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
 def microbatch_sizes(kept_rows_per_rank: list[int], num_microbatches: int) -> list[int]:
     """Rows of each micro-batch, the same on every rank: the kept rows of the fullest rank split as evenly
     as possible, and at least one row (a zero-weight filler where a rank has none left) per micro-batch."""

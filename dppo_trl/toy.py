@@ -40,12 +40,13 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
-    """A random-init Qwen2 causal LM sized for a CPU test (tied embeddings, fp32, sdpa attention)."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, moe: bool = False):
+    """A random-init Qwen2 causal LM sized for a CPU test (tied embeddings, fp32, sdpa attention); ``moe``: a
+    Qwen3-MoE of the same size instead (4 experts, 2 per token, the router loss coefficient of the real configs)."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -58,17 +59,24 @@ def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = Qwen2ForCausalLM(config)
+    if moe:
+        config = Qwen3MoeConfig(**common, head_dim=hidden_size // 4, moe_intermediate_size=hidden_size, num_experts=4,
+                                num_experts_per_tok=2, decoder_sparse_step=1, router_aux_loss_coef=0.001)  # fmt: skip
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     return model
 
 
-def save_tiny_model(directory: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> str:
+def save_tiny_model(
+    directory: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, moe: bool = False
+) -> str:
     """Build and save a tiny model and its tokenizer to ``directory``; return the path (load it like a hub id)."""
     directory = str(directory)
     tokenizer = build_tokenizer()
-    model = build_tiny_model(tokenizer, hidden_size, num_layers, seed)
+    model = build_tiny_model(tokenizer, hidden_size, num_layers, seed, moe)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

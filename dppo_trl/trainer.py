@@ -36,7 +36,7 @@ from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 from .batch import filler_row, loss_mask, pad_to_width, select_rows, with_fillers
 from .callbacks import DataProgressBarCallback, DataProgressScheduler, DPPOSummaryCallback
 from .config import DPPOConfig, as_dppo_config
-from .metrics import ratio, weighted_mean_stats
+from .metrics import ratio, weighted_mean_stats, weighted_quantile
 from .packing import (
     assign_microbatches,
     balance_ranks,
@@ -55,6 +55,7 @@ from .packing import (
 from .prompts import PromptPruningSampler
 from .pruning import (
     SEQUENCE_MEAN_LOSS_TYPES,
+    adaptive_entropy_coef,
     effective_sample_size,
     full_batch_normalizer,
     horvitz_thompson_weights,
@@ -111,18 +112,15 @@ class DPPOTrainer(GRPOTrainer):
             callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
             peft_config=peft_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
         )  # fmt: skip
-        if args.dppo_training_path and self.aux_loss_enabled:
-            raise ValueError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef!r}: the MoE load-balancing loss is not a sum of "
-                "per-row terms and cannot be reweighted; set router_aux_loss_coef=0.0, or completion_keep_rate=1.0 "
-                "with packing=False."
-            )
         self._prompt_sampler: PromptPruningSampler | None = None
         self._prompt_resume: tuple[dict, int] | None = None
         self._next_prompt_batch = 0
         self._prompts_walked = 0
         self._deferred_logp_calls: list | None = None
         self._captured_logps: list | None = None
+        self._loss_row_weights: torch.Tensor | None = None  # rows' weights while TRL's loss runs (entropy filter)
+        self._compute_aux_loss = False  # the MoE router loss of the loss pass, computed beside TRL's
+        self._last_entropy_mask: torch.Tensor | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
         self._widths_per_rank: list[int] = []
@@ -167,10 +165,13 @@ class DPPOTrainer(GRPOTrainer):
             calls.append(model)
             placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
             return placeholder, None, None
+        if self._captured_logps is not None and self._compute_aux_loss:
+            kwargs["compute_aux_loss"] = True
         if self.args.packing and self._dppo_now():
             out = self._packed_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, kwargs.get("compute_entropy", False)
-            )
+                model, input_ids, attention_mask, logits_to_keep, kwargs.get("compute_entropy", False),
+                kwargs.get("compute_aux_loss", False),
+            )  # fmt: skip
         else:
             out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -333,13 +334,16 @@ class DPPOTrainer(GRPOTrainer):
         # Every TRL loss_type is positively homogeneous in A per row (clipping, SAPO/VESPO gates depend on
         # sign(A) only), so A * w scales the row's policy term by w exactly, in value and gradient.
         inputs["advantages"] = advantages * (row_weight if advantages.dim() == 1 else row_weight.unsqueeze(1))
+        # TRL's KL, entropy bonus and router loss are normalized per micro-batch: they are added below instead.
         beta, self.beta = self.beta, 0.0
-        self._captured_logps = []
+        bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
+        self._compute_aux_loss, self.aux_loss_enabled = self.aux_loss_enabled, False
+        self._captured_logps, self._loss_row_weights, self._last_entropy_mask = [], weight, None
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
-            self.beta = beta
-            captured, self._captured_logps = self._captured_logps, None
+            self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = beta, bonus, self._compute_aux_loss
+            captured, self._captured_logps, self._loss_row_weights = self._captured_logps, None, None
         mask = loss_mask(inputs)
         norm_args = dict(
             max_completion_length=self.max_completion_length,
@@ -351,11 +355,65 @@ class DPPOTrainer(GRPOTrainer):
         full_z = full_batch_normalizer(self.loss_type, self.args.per_device_train_batch_size, **norm_args)
         trl_z = trl_microbatch_normalizer(self.loss_type, mask.size(0), float(mask.sum()), **norm_args)
         loss = loss * (trl_z / full_z)
-        logps, entropies, _ = captured[0]
+        logps, entropies, aux_loss = captured[0]
         if beta != 0.0:
             loss = loss + beta * self._weighted_kl(logps, inputs, mask, weight) / full_z
+        if bonus:
+            tokens = full_batch_normalizer("dapo", 1, **norm_args) * self.top_entropy_quantile
+            loss = loss - self._weighted_entropy_bonus(entropies, mask, weight, tokens)
+        if self.aux_loss_enabled:  # a regularizer of the rows forwarded, as GRPO's is of its micro-batch
+            loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
+            self._metrics["train"]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
         self._log_weighted_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
         return loss
+
+    def _weighted_entropy_bonus(self, entropies, mask, weight, full_batch_tokens) -> torch.Tensor:
+        """TRL's entropy bonus ``coef x`` token-mean entropy, as a Horvitz-Thompson sum over the kept rows'
+        (filtered) tokens over the full batch's count (``top_entropy_quantile`` x loss tokens); the adaptive
+        controller (TRL's rule and state) measures the weighted window entropy."""
+        effective = mask if self._last_entropy_mask is None else mask * self._last_entropy_mask
+        weighted = effective * weight.to(entropies.dtype).unsqueeze(1)
+        apply_coef = self.entropy_coef
+        if self.use_adaptive_entropy:  # the coefficient of the previous step's end, for the whole window
+            apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            stats = torch.stack([(entropies * weighted).sum(), weighted.sum()]).detach()
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world = (total[0] / total[1].clamp(min=1e-12)).item()
+                a = self.args
+                self.entropy_coef = adaptive_entropy_coef(
+                    self.entropy_coef,
+                    world,
+                    a.entropy_target,
+                    a.entropy_coef_delta,
+                    a.entropy_coef_min,
+                    a.entropy_coef_max,
+                )
+                self._last_world_entropy, self._entropy_window_stats = world, None
+        if self.accelerator.sync_gradients:
+            self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
+        return apply_coef * (entropies * weighted).sum() / max(full_batch_tokens, 1e-12)
+
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        """TRL's entropy filter; on DPPO's training path the quantile is the Horvitz-Thompson-weighted quantile of
+        the kept tokens (``metrics.weighted_quantile``, gathered over ranks), a consistent estimate of the
+        quantile GRPO takes over its micro-batch's tokens."""
+        weight = self._loss_row_weights
+        if weight is None:
+            return super().get_high_entropy_mask(entropies, mask, threshold)
+        real = mask.bool()
+        pairs = torch.stack([entropies[real].float(), weight.unsqueeze(1).expand_as(entropies)[real].float()], 1)
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(pairs, dim=0, pad_index=-1.0))
+        gathered = gathered[gathered[:, 0] >= 0]  # entropies are >= 0: -1 marks padding across ranks
+        gathered = gathered[gathered[:, 1] > 0]
+        if gathered.numel() == 0:
+            self._last_entropy_mask = torch.zeros_like(real)
+        else:
+            cut = weighted_quantile(gathered[:, 0], gathered[:, 1], threshold).to(entropies.dtype)
+            self._last_entropy_mask = (entropies * mask >= cut) & real
+        return self._last_entropy_mask
 
     _CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -439,9 +497,10 @@ class DPPOTrainer(GRPOTrainer):
         elif design == "zero_variance":
             keep = zero_variance_mask(self._aggregated_rewards(), self.num_generations)
         else:
-            # A row with A == 0 contributes exactly zero unless a term without A (the KL) is on; a row without
-            # loss tokens (e.g. masked as truncated) contributes nothing at all.
-            pi, _ = keep_probabilities(scores, rate, self.args.keep_floor, zero_score_contributes=self.beta != 0.0,
+            # A row with A == 0 contributes exactly zero unless a term without A (KL, entropy bonus) is on; a row
+            # without loss tokens (e.g. masked as truncated) contributes nothing at all.
+            without_a = self.beta != 0.0 or self._entropy_bonus_enabled
+            pi, _ = keep_probabilities(scores, rate, self.args.keep_floor, zero_score_contributes=without_a,
                                        contributes_nothing=loss_tokens == 0)  # fmt: skip
             sample = systematic_sample if design == "systematic" else poisson_sample
             keep = sample(pi, torch.Generator().manual_seed(self._prune_seed()))
@@ -598,7 +657,9 @@ class DPPOTrainer(GRPOTrainer):
             self.args.per_device_train_batch_size, padded_width, varlen_attention=self._varlen_attention
         )
 
-    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
+    def _packed_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux_loss=False
+    ):
         """TRL's per-token log-probs (and entropies) of the completion tokens, computed padding-free in one forward
         call (``packed_inputs``: sequences back to back, ``position_ids`` restarting per sequence, pre-shifted
         labels; with a variable-length kernel also ``cu_seq_lens``), allocating no more than TRL's padded call
@@ -610,6 +671,8 @@ class DPPOTrainer(GRPOTrainer):
         r, c, b, j = packed.pop("index")
         if self._varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
             packed.update(varlen_kwargs(packed["position_ids"]))
+        if compute_aux_loss:  # MoE: the router loss over the packed tokens
+            packed["output_router_logits"] = True
         with self.accelerator.autocast():
             out = model(**packed, fused_lm_head=True)
         dtype = torch.promote_types(out.log_probs.dtype, torch.float32)
@@ -619,7 +682,7 @@ class DPPOTrainer(GRPOTrainer):
         if compute_entropy:
             entropies = torch.zeros_like(logps)
             entropies[b, j] = out.entropy[r, c - 1].to(dtype)
-        return logps, entropies, None
+        return logps, entropies, out.aux_loss if compute_aux_loss else None
 
     def _kept_microbatches(self, batch) -> list[dict]:
         """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches, by

@@ -4,6 +4,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from dppo_trl.toy import addition_dataset, addition_pairs, exact_answer_reward, save_tiny_model  # noqa: E402
@@ -68,3 +69,35 @@ class StopAt(TrainerCallback):
         if state.global_step == self.step:
             control.should_save = True
             control.should_training_stop = True
+
+
+class Float64LogProbs:
+    """Stand-in for TRL's fused log-prob kernel (which accumulates in float32): the same per-token log-probs and
+    entropies of ``hidden @ weight.T``, in the inputs' dtype, through plain autograd."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, labels, temperature, chunk_size, softcapping, logit_scale, outputs):
+        logits = hidden @ weight.T + (0 if bias is None else bias)
+        logits = logits * logit_scale
+        if softcapping is not None:
+            logits = softcapping * torch.tanh(logits / softcapping)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
+        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy, None, None, None
+
+
+def rms_norm_in_input_dtype(self, hidden_states):
+    """Qwen2's RMSNorm without its float32 round trip (which would also round the backward pass to float32)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture
+def exact_logprobs(monkeypatch):
+    """Every forward and backward of the test in float64: TRL's fused log-prob kernel (``Float64LogProbs``) and
+    the model's RMSNorm (``rms_norm_in_input_dtype``) are the two places that compute in float32."""
+    import trl.trainer.utils
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_in_input_dtype)

@@ -125,38 +125,6 @@ def systematic_outcomes(pi, order):
             yield hi - lo, keep, horvitz_thompson_weights(pi, keep)
 
 
-class Float64LogProbs:
-    """Stand-in for TRL's fused log-prob kernel (which accumulates in float32): the same per-token log-probs and
-    entropies of ``hidden @ weight.T``, in the inputs' dtype, through plain autograd."""
-
-    @staticmethod
-    def apply(hidden, weight, bias, labels, temperature, chunk_size, softcapping, logit_scale, outputs):
-        logits = hidden @ weight.T + (0 if bias is None else bias)
-        logits = logits * logit_scale
-        if softcapping is not None:
-            logits = softcapping * torch.tanh(logits / softcapping)
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
-        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy, None, None, None
-
-
-def rms_norm_in_input_dtype(self, hidden_states):
-    """Qwen2's RMSNorm without its float32 round trip (which would also round the backward pass to float32)."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-@pytest.fixture
-def exact_logprobs(monkeypatch):
-    """Every forward and backward of the test in float64: TRL's fused log-prob kernel (``Float64LogProbs``) and
-    the model's RMSNorm (``rms_norm_in_input_dtype``) are the two places that compute in float32."""
-    import trl.trainer.utils
-    from transformers.models.qwen2 import modeling_qwen2
-
-    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
-    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_in_input_dtype)
-
-
 def float64(batch):
     """The batch's floating tensors in float64."""
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}

@@ -1,0 +1,115 @@
+"""MoE router loss, entropy bonus (static and adaptive) and entropy filter under DPPO: they train at DPPO's
+defaults, reproduce GRPOTrainer where every row is kept, and the entropy bonus keeps the estimator unbiased."""
+
+import math
+
+import pytest
+import torch
+from conftest import cpu_config, random_reward
+from test_trainer import params_of, train
+from test_unbiased import (
+    N_ROWS,
+    assert_exact,
+    dppo_loss_and_grad,
+    expectation,
+    float64,
+    make_trainer,
+    poisson_outcomes,
+    synthetic_batch,
+)
+from trl import GRPOConfig, GRPOTrainer
+
+from dppo_trl import DPPOTrainer
+from dppo_trl.pruning import keep_probabilities
+from dppo_trl.toy import save_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-moe"), hidden_size=32, num_layers=2, moe=True)
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_every_row_kept_is_grpo(tmp_path, model_dir, dataset, **settings):
+    """One optimizer step per generation batch (spg = GA = 1), every row kept (keep_floor=1) on the padded path:
+    DPPO's separately added terms (KL, entropy bonus, router loss) must give GRPOTrainer's losses and parameters."""
+    common = dict(max_steps=3, steps_per_generation=1, gradient_accumulation_steps=1, **settings)
+    grpo = train(GRPOTrainer, tmp_path / "g", model_dir, dataset, config_cls=GRPOConfig, **common)
+    dppo = train(DPPOTrainer, tmp_path / "d", model_dir, dataset, completion_keep_rate=0.5, keep_floor=1.0,
+                 packing=False, **common)  # fmt: skip
+    # A loss near 0 is a sum of O(1) per-token terms of both signs: float32 summation order alone moves it by
+    # ~1e-6, so the absolute tolerance is 1e-5 (the parameters, O(1), are compared at 1e-4 relative).
+    assert losses(dppo) == pytest.approx(losses(grpo), rel=1e-4, abs=1e-5)
+    for name, p in params_of(grpo).items():
+        torch.testing.assert_close(params_of(dppo)[name], p, rtol=1e-4, atol=1e-6)
+    return grpo, dppo
+
+
+def test_moe_router_loss_with_every_row_kept_is_grpos(tmp_path, tiny_moe_dir, train_dataset):
+    """beta > 0 makes every row eligible (with beta = 0 a zero-advantage row is never forwarded, so the router
+    loss, a regularizer of the forwarded tokens, is taken without it: see docs/estimator.md)."""
+    grpo, dppo = assert_every_row_kept_is_grpo(tmp_path, tiny_moe_dir, train_dataset, beta=0.05)
+    assert dppo.aux_loss_enabled and any("aux_loss" in h for h in dppo.state.log_history)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_moe_trains_at_dppos_defaults(tmp_path, tiny_moe_dir, train_dataset, packing):
+    before = None
+    args = cpu_config(tmp_path, max_steps=2, steps_per_generation=2, gradient_accumulation_steps=1, packing=packing)
+    trainer = DPPOTrainer(tiny_moe_dir, random_reward, args=args, train_dataset=train_dataset)
+    before = params_of(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and all(math.isfinite(h["loss"]) and math.isfinite(h["aux_loss"]) and h["aux_loss"] > 0 for h in logs)
+    moved = [name for name, p in params_of(trainer).items() if not torch.equal(p, before[name])]
+    assert any("gate" in name for name in moved)  # the router trained: the router loss reached it
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(entropy_coef=0.01),
+        dict(use_adaptive_entropy=True, entropy_target=10.0, entropy_coef=0.0, entropy_coef_delta=0.01),
+        dict(top_entropy_quantile=0.5),
+    ],
+    ids=["bonus", "adaptive", "filter"],
+)
+def test_entropy_terms_with_every_row_kept_are_grpos(tmp_path, tiny_model_dir, train_dataset, settings):
+    grpo, dppo = assert_every_row_kept_is_grpo(tmp_path, tiny_model_dir, train_dataset, **settings)
+    if "use_adaptive_entropy" in settings:  # the controller moved, the same way
+        coefs = [[h["entropy_coef"] for h in t.state.log_history if "entropy_coef" in h] for t in (grpo, dppo)]
+        assert coefs[0] == pytest.approx(coefs[1]) and coefs[1][-1] > 0
+
+
+@pytest.mark.parametrize("settings", [dict(entropy_coef=0.01), dict(entropy_coef=0.01, top_entropy_quantile=0.5),
+                                      dict(use_adaptive_entropy=True, top_entropy_quantile=0.5)])  # fmt: skip
+def test_entropy_terms_train_at_dppos_defaults(tmp_path, tiny_model_dir, train_dataset, settings):
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, steps_per_generation=2,
+                    gradient_accumulation_steps=1, **settings)  # fmt: skip
+    assert all(math.isfinite(x) for x in losses(trainer)) and len(losses(trainer)) == 2
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("spg,ga", [(1, 1), (3, 1)])
+def test_entropy_bonus_keeps_the_estimator_unbiased(
+    tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type, spg, ga
+):
+    """Every Poisson mask enumerated, in float64: the expected loss and gradient with the entropy bonus equal the
+    full batch's (rows with A = 0 carry entropy, so they stay eligible)."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, 0.0, spg, float64=True,
+                           gradient_accumulation_steps=ga, entropy_coef=0.05)  # fmt: skip
+    batch = float64(synthetic_batch(trainer))
+    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool), torch.ones(N_ROWS))
+    no_bonus = make_trainer(tmp_path / "n", tiny_model_dir, train_dataset, loss_type, 0.0, spg, float64=True,
+                            gradient_accumulation_steps=ga)  # fmt: skip
+    no_bonus.model.load_state_dict(trainer.model.state_dict())
+    assert abs(float(full_loss - dppo_loss_and_grad(no_bonus, batch, torch.ones(N_ROWS, dtype=torch.bool),
+                                                    torch.ones(N_ROWS))[0])) > 1e-4  # fmt: skip  # the bonus is on
+    pi, _ = keep_probabilities(batch["advantages"], 0.5, 0.1, zero_score_contributes=True)
+    assert pi[1] > 0  # the zero-advantage row is eligible: its entropy counts
+    loss, grad = expectation(trainer, batch, poisson_outcomes(pi))
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
