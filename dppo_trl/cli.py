@@ -5,56 +5,216 @@ Every argument and YAML key of ``trl grpo`` (TRL's ``GRPOScriptArguments``, ``GR
 and ``--accelerate_config``), plus every ``DPPOConfig`` field, with the same precedence (flags over YAML). It is
 built on TRL's own parser and training script: TRL's ``grpo.main`` runs with ``DPPOTrainer`` in place of
 ``GRPOTrainer``. Unlike ``trl grpo``, an unknown key stops it before anything is loaded, naming the closest
-valid key.
+valid key. ``--config`` takes a YAML file or the name of a recipe shipped in the package (``recipes/`` of the
+repository, ``dppo_trl/recipes`` once installed).
 
-    dppo-trl --config recipes/qwen3-4b-math-lora.yaml
-    dppo-trl --config recipes/qwen3-4b-math.yaml --num_processes 8 --accelerate_config zero2
+    dppo-trl --config qwen3-4b-math-lora
+    dppo-trl --config my.yaml --num_processes 8 --accelerate_config zero2
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import difflib
 import os
 import sys
+from pathlib import Path
+
+# Launch options shown with their help text in `dppo-trl --help`; the others are listed by name.
+_COMMON_LAUNCH_OPTIONS = (
+    "config_file",
+    "num_processes",
+    "num_machines",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "gpu_ids",
+    "mixed_precision",
+    "multi_gpu",
+    "use_deepspeed",
+    "use_fsdp",
+    "cpu",
+)
+_NOT_LAUNCH_OPTIONS = {"help", "module", "no_python"}  # `accelerate launch` options that dppo-trl sets or refuses
+
+
+class CLIError(SystemExit):
+    """A bad command line or YAML: ``main`` prints ``dppo-trl: <message>`` (``str(error)``) and exits with
+    status 2, as argparse does, before anything is loaded."""
+
+    def __init__(self, message: str):
+        super().__init__(f"dppo-trl: {message}")
+        self.code = 2
+
+
+def recipes_dir() -> Path:
+    """The recipes shipped with the package: ``dppo_trl/recipes`` in a wheel install, the repository's
+    ``recipes/`` in an editable install (``pyproject.toml`` maps the one onto the other) or a bare checkout."""
+    from importlib.resources import files
+
+    try:
+        return Path(str(files("dppo_trl.recipes")))
+    except ModuleNotFoundError:  # a checkout on sys.path without any install
+        return Path(__file__).resolve().parent.parent / "recipes"
+
+
+def bundled_recipes() -> dict[str, Path]:
+    """Recipe name (the file name without ``.yaml``) -> its path, for every shipped recipe."""
+    return {path.stem: path for path in sorted(recipes_dir().glob("*.yaml"))}
+
+
+def resolve_config(value: str) -> str:
+    """The YAML file that ``--config VALUE`` means: ``VALUE`` itself where it is a file, else the shipped recipe
+    that ``VALUE`` names (``qwen3-4b-math-lora``, ``qwen3-4b-math-lora.yaml`` or ``recipes/qwen3-4b-math-lora.yaml``,
+    so the repository's commands work from a wheel install too)."""
+    path = Path(value)
+    if path.is_file():
+        return value
+    recipes = bundled_recipes()
+    name = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    if path.parent in (Path("."), Path("recipes")) and name in recipes:
+        return str(recipes[name])
+    raise CLIError(
+        f"--config {value!r} is neither a file nor a shipped recipe. The shipped recipes: {', '.join(recipes)}."
+    )
+
+
+def resolve_config_argument(argv: list[str]) -> list[str]:
+    """``argv`` with ``--config VALUE`` (or ``--config=VALUE``) turned into ``--config PATH``."""
+    out, i, seen = [], 0, False
+    while i < len(argv):
+        item = argv[i]
+        if item == "--config" or item.startswith("--config="):
+            if seen:
+                raise CLIError("--config is given more than once.")
+            seen = True
+            if item == "--config":
+                if i + 1 >= len(argv):
+                    raise CLIError(
+                        f"--config needs a YAML file or a shipped recipe's name ({', '.join(bundled_recipes())})."
+                    )
+                value, i = argv[i + 1], i + 2
+            else:
+                value, i = item.split("=", 1)[1], i + 1
+            out += ["--config", resolve_config(value)]
+        else:
+            out.append(item)
+            i += 1
+    return out
+
+
+def _launch_actions():
+    from accelerate.commands.launch import launch_command_parser
+
+    return [a for a in launch_command_parser()._actions if a.option_strings and a.dest not in _NOT_LAUNCH_OPTIONS]
+
+
+def _make_parser_class():
+    from trl import TrlParser
+
+    class DPPOTrlParser(TrlParser):
+        """TRL's parser, whose help also lists ``--config`` (which TRL reads before argparse does) and the
+        ``accelerate launch`` options (which the training parser leaves over, see ``split_launch_args``)."""
+
+        def format_help(self) -> str:
+            training = {action.dest for action in self._actions}
+            scratch = argparse.ArgumentParser(add_help=False)
+            scratch.add_argument(
+                "--accelerate_config",
+                metavar="NAME_OR_FILE",
+                help="An accelerate config: one that TRL ships (zero1, zero2, zero3, fsdp1, fsdp2, multi_gpu) "
+                "or a file. It becomes accelerate's --config_file.",
+            )
+            common, others = list(scratch._actions), []
+            for action in _launch_actions():
+                if action.dest in training:  # e.g. gradient_accumulation_steps: the training argument takes it
+                    continue
+                if action.dest in _COMMON_LAUNCH_OPTIONS:
+                    common.append(action)
+                else:
+                    others.append(next(o for o in action.option_strings if o.startswith("--")))
+            formatter = argparse.HelpFormatter(prog=self.prog)
+            formatter.start_section(
+                "launch options (on the command line or as YAML keys; any of them starts the run under "
+                "`accelerate launch`, as with `trl grpo`)"
+            )
+            formatter.add_arguments(common)
+            formatter.add_text("Every other `accelerate launch` option is taken as well: " + ", ".join(others) + ".")
+            formatter.end_section()
+            return super().format_help() + "\n" + formatter.format_help()
+
+    return DPPOTrlParser
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the option help (as TRL's), the description kept as written."""
 
 
 def make_parser(prog: str = "dppo-trl"):
-    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+    from trl import DatasetMixtureConfig, ModelConfig
     from trl.scripts.grpo import GRPOScriptArguments
 
     from .config import DPPOConfig
 
-    return TrlParser(
-        (GRPOScriptArguments, DPPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog, allow_abbrev=False
+    recipes = ", ".join(bundled_recipes())
+    description = (
+        "DPPO training through TRL's GRPO script: every `trl grpo` argument and YAML key, plus the DPPO fields.\n"
+        "Flags override the YAML. An unknown key or flag stops it before anything loads.\n\n"
+        "  dppo-trl --config qwen3-4b-math-lora                     # a shipped recipe, by name\n"
+        "  dppo-trl --config my.yaml --completion_keep_rate 0.3     # a YAML file, with a flag over it\n"
+        "  dppo-trl --config qwen3-4b-math --num_processes 8 --accelerate_config zero2\n\n"
+        f"shipped recipes: {recipes}"
     )
+    parser = _make_parser_class()(
+        (GRPOScriptArguments, DPPOConfig, ModelConfig, DatasetMixtureConfig),
+        prog=prog,
+        usage=f"{prog} [--config YAML_OR_RECIPE] [--KEY VALUE ...] [launch options]",
+        allow_abbrev=False,
+        description=description,
+        formatter_class=_HelpFormatter,
+    )
+    # For the help only (listed first): TRL's parse_args_and_config takes `--config PATH` out before argparse.
+    config = parser.add_argument(
+        "--config",
+        dest=argparse.SUPPRESS,
+        default=argparse.SUPPRESS,
+        metavar="YAML_OR_RECIPE",
+        help=f"A YAML file of any of the keys below, or the name of a shipped recipe ({recipes}).",
+    )
+    for actions in (parser._actions, parser._optionals._group_actions):
+        actions.remove(config)
+        actions.insert(1, config)  # after -h
+    return parser
 
 
 def _launch_options() -> dict[str, bool]:
     """``accelerate launch`` option names (without dashes) -> whether the option takes a value."""
-    from accelerate.commands.launch import launch_command_parser
-
     options = {"accelerate_config": True}
-    for action in launch_command_parser()._actions:
+    for action in _launch_actions():
         for flag in action.option_strings:
             if flag.startswith("--"):
                 options[flag[2:].replace("-", "_")] = action.nargs != 0
     return options
 
 
+def _unknown(kind: str, shown: str, name: str, parser, options) -> CLIError:
+    known = [a.dest for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)] + list(options)
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return CLIError(f"unknown {kind} {shown!r}.{hint}")
+
+
 def split_launch_args(remaining: list[str], parser) -> list[str]:
-    """The ``accelerate launch`` arguments among the strings the training parser did not take; any other
-    string is an error that names it and, where there is one, the closest valid key."""
+    """The ``accelerate launch`` arguments among the command-line strings the training parser did not take;
+    any other string is an error that names it and, where there is one, the closest valid key."""
     options = _launch_options()
     launch, i = [], 0
     while i < len(remaining):
         item = remaining[i]
         name = item[2:].split("=", 1)[0].replace("-", "_") if item.startswith("--") else None
         if name not in options:
-            known = [a.dest for a in parser._actions if a.dest != "help"] + list(options)
-            close = difflib.get_close_matches(name or item, known, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise SystemExit(f"dppo-trl: unknown argument or YAML key {item!r}.{hint}")
+            raise _unknown("argument", item, name or item, parser, options)
         launch.append(item)
         if options[name] and "=" not in item and i + 1 < len(remaining):
             launch.append(remaining[i + 1])
@@ -63,14 +223,60 @@ def split_launch_args(remaining: list[str], parser) -> list[str]:
     return launch
 
 
+def split_launch_keys(config_remaining: list[str], parser) -> list[str]:
+    """The ``accelerate launch`` arguments for the YAML keys the training parser did not take (TRL hands them
+    over as ``["--key", "value", ...]``); an unknown key is an error that names the key as written in the
+    YAML. A flag option (``use_deepspeed: true``) is passed when true and left out when false."""
+    options = _launch_options()
+    launch = []
+    for flag, value in zip(config_remaining[::2], config_remaining[1::2]):
+        key = flag[2:]
+        name = key.replace("-", "_")
+        if name not in options:
+            raise _unknown("YAML key", key, name, parser, options)
+        if options[name]:
+            launch += [flag, value]
+        elif value.lower() in ("true", "1", "yes"):
+            launch.append(flag)
+        elif value.lower() not in ("false", "0", "no", "none"):
+            raise CLIError(f"YAML key {key!r} is a switch: true or false, not {value!r}.")
+    return launch
+
+
+def _check_dataset_kind(script_args, training_args, dataset_args) -> None:
+    """DPPOTrainer refuses a streaming dataset under prompt pruning (it keeps a history per dataset row); say
+    so before anything is loaded or launched. TRL's script streams by ``streaming`` when it loads a
+    ``datasets:`` mixture, by ``dataset_streaming`` when it loads ``dataset_name``."""
+    key = "streaming" if dataset_args.datasets else "dataset_streaming"
+    streaming = dataset_args.streaming if dataset_args.datasets else script_args.dataset_streaming
+    if streaming and training_args.prompt_keep_rate < 1.0:
+        raise CLIError(
+            f"prompt_keep_rate={training_args.prompt_keep_rate!r} with {key}: true: prompt pruning "
+            "needs a map-style dataset (it keeps a history per dataset row), and a streaming dataset is not one. "
+            f"Set prompt_keep_rate: 1.0 or {key}: false."
+        )
+
+
 def parse(argv: list[str]):
     """(script_args, training_args, model_args, dataset_args, launch_args, training_argv): every value
-    validated, nothing loaded; ``training_argv`` is ``argv`` without the launch arguments."""
+    validated, nothing loaded; ``training_argv`` is ``argv`` (its ``--config`` resolved to a file) without the
+    launch arguments."""
+    import yaml
+
+    argv = resolve_config_argument(list(argv))
     parser = make_parser()
-    *dataclasses_, config_remaining, cli_remaining = parser.parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
-    launch_args = split_launch_args([str(x) for x in config_remaining + cli_remaining], parser)
+    try:
+        *dataclasses_, config_remaining, cli_remaining = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except ValueError as error:  # a bad value, from DPPOConfig / GRPOConfig validation
+        raise CLIError(str(error)) from None
+    except yaml.YAMLError as error:
+        raise CLIError(f"the --config file is not valid YAML: {error}") from None
+    launch_args = split_launch_keys([str(x) for x in config_remaining], parser)
+    launch_args += split_launch_args([str(x) for x in cli_remaining], parser)
+    script_args, training_args, model_args, dataset_args = dataclasses_
+    _check_dataset_kind(script_args, training_args, dataset_args)
     training_argv, pending = [], list(cli_remaining)
     for item in argv:  # argv minus the ordered subsequence the parser left over
         if pending and item == pending[0]:
@@ -78,6 +284,18 @@ def parse(argv: list[str]):
         else:
             training_argv.append(item)
     return (*dataclasses_, launch_args, training_argv)
+
+
+def _check_demo_prepared(script_args, model_args) -> None:
+    """The cpu-demo recipe reads ``demo-output/`` relative to the current directory; without it, TRL would try
+    the Hub for a model named ``demo-output/warm-start``."""
+    for path in (model_args.model_name_or_path, script_args.dataset_name):
+        if path and str(path).startswith("demo-output/") and not Path(path).exists():
+            raise CLIError(
+                f"{path} does not exist in {os.getcwd()}: run `python -m dppo_trl.demo prepare` in this "
+                "directory first (it writes demo-output/), or point the recipe elsewhere with "
+                "--model_name_or_path and --dataset_name."
+            )
 
 
 @contextlib.contextmanager
@@ -106,15 +324,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
-    except ValueError as error:  # a bad value, from DPPOConfig / GRPOConfig validation
-        raise SystemExit(f"dppo-trl: {error}") from None
+        _check_demo_prepared(script_args, model_args)
+        if launch_args and os.environ.get("DPPO_TRL_LAUNCHED") != "1":
+            from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+            try:
+                launch_args = resolve_accelerate_config_argument(launch_args)
+            except ValueError as error:  # an --accelerate_config that is neither a file nor one TRL ships
+                raise CLIError(str(error)) from None
+    except CLIError as error:
+        print(error, file=sys.stderr)
+        raise
     if launch_args and os.environ.get("DPPO_TRL_LAUNCHED") != "1":
         from accelerate.commands.launch import launch_command, launch_command_parser
-        from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
-        accelerate_args = launch_command_parser().parse_args(
-            resolve_accelerate_config_argument(launch_args) + ["--module", "dppo_trl"] + training_argv
-        )
+        accelerate_args = launch_command_parser().parse_args(launch_args + ["--module", "dppo_trl"] + training_argv)
         os.environ["DPPO_TRL_LAUNCHED"] = "1"  # the launched processes run the training, not another launch
         launch_command(accelerate_args)
         return 0

@@ -1,6 +1,9 @@
-"""The `dppo-trl` command line: every recipe parses, unknown keys and bad values stop it before anything is
-loaded, flags override YAML, launch options are recognised, and a LoRA run trains and saves its adapter."""
+"""The `dppo-trl` command line: every recipe parses and ships with the package (found by name as well as by
+path), unknown keys and bad values stop it before anything is loaded with a `dppo-trl:` line and exit status 2,
+flags override YAML, launch options are recognised and listed in the help, and a LoRA run trains and saves its
+adapter."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -8,11 +11,12 @@ from pathlib import Path
 import pytest
 from test_config import DPPO_FIELDS
 
-from dppo_trl.cli import main, make_parser, parse
+from dppo_trl.cli import bundled_recipes, main, make_parser, parse
 from dppo_trl.config import DPPOConfig
 from dppo_trl.toy import addition_dataset, addition_pairs
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+REPO = Path(__file__).parent.parent
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 CPU = ["--bf16", "false", "--use_cpu", "true"]  # the GPU recipes ask for bf16, which a CPU refuses
 
 
@@ -45,14 +49,17 @@ def write_yaml(path, text):
     return str(path)
 
 
-def test_unknown_yaml_key_names_the_closest_valid_key(tmp_path):
+def test_unknown_yaml_key_names_the_key_and_the_closest_valid_one(tmp_path, capsys):
     config = write_yaml(tmp_path / "c.yaml", "completion_keep_rat: 0.3\nuse_cpu: true\nbf16: false\n")
-    with pytest.raises(SystemExit, match="'--completion_keep_rat'.*Did you mean 'completion_keep_rate'"):
-        parse(["--config", config])
+    with pytest.raises(SystemExit) as error:
+        main(["--config", config])
+    message = "dppo-trl: unknown YAML key 'completion_keep_rat'. Did you mean 'completion_keep_rate'?"
+    assert str(error.value) == message and error.value.code == 2
+    assert capsys.readouterr().err.strip() == message  # the line a user sees, and no traceback
 
 
 def test_unknown_flag_is_refused_not_abbreviated(tmp_path):
-    with pytest.raises(SystemExit, match="completion_keep_rat.*completion_keep_rate"):
+    with pytest.raises(SystemExit, match="unknown argument '--completion_keep_rat'.*'completion_keep_rate'"):
         parse([*CPU, "--completion_keep_rat", "0.3"])
 
 
@@ -61,8 +68,86 @@ def test_bad_value_stops_before_anything_is_loaded(tmp_path):
         tmp_path / "c.yaml",
         "completion_keep_rate: 2\nuse_cpu: true\nbf16: false\nmodel_name_or_path: /nonexistent/model\n",
     )
-    with pytest.raises(SystemExit, match=r"completion_keep_rate=2 is invalid.*\(0, 1\]"):
+    with pytest.raises(SystemExit, match=r"^dppo-trl: completion_keep_rate=2.* is invalid.*\(0, 1\]") as error:
         main(["--config", config])
+    assert error.value.code == 2
+
+
+def test_the_recipes_ship_with_the_package():
+    assert importlib.util.find_spec("dppo_trl.recipes") is not None  # a package (data) in editable and wheel installs
+    shipped = bundled_recipes()
+    assert sorted(shipped) == sorted(r.stem for r in RECIPES)
+    for recipe in RECIPES:
+        assert shipped[recipe.stem].read_text() == recipe.read_text()
+
+
+@pytest.mark.parametrize(
+    "value", ["qwen3-4b-math-lora", "qwen3-4b-math-lora.yaml", "recipes/qwen3-4b-math-lora.yaml", "=by-name"]
+)
+def test_a_shipped_recipe_is_found_by_name_from_any_directory(value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here: the shipped copy is used
+    argv = ["--config=qwen3-4b-math-lora"] if value == "=by-name" else ["--config", value]
+    script_args, training_args, model_args, _, launch_args, training_argv = parse([*argv, *CPU])
+    assert model_args.use_peft and training_args.completion_keep_rate == 0.5 and launch_args == []
+    assert training_argv == ["--config", str(bundled_recipes()["qwen3-4b-math-lora"]), *CPU]  # what a launch gets
+
+
+def test_a_file_wins_over_a_recipe_name_and_an_unknown_name_lists_the_recipes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_yaml(tmp_path / "cpu-demo", "completion_keep_rate: 0.25\nuse_cpu: true\nbf16: false\n")
+    assert parse(["--config", "cpu-demo"])[1].completion_keep_rate == 0.25
+    with pytest.raises(SystemExit, match="'qwen9' is neither a file nor a shipped recipe.*qwen3-4b-math-lora") as e:
+        parse(["--config", "qwen9"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit, match="neither a file"):  # a path elsewhere is a path, not a recipe name
+        parse(["--config", str(tmp_path / "elsewhere" / "cpu-demo.yaml")])
+
+
+def test_the_demo_recipe_without_prepare_says_what_to_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as error:
+        main(["--config", "cpu-demo"])
+    assert error.value.code == 2
+    assert "demo-output/warm-start does not exist" in str(error.value)
+    assert "python -m dppo_trl.demo prepare" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "yaml_text",
+    [
+        "dataset_name: some/dataset\ndataset_streaming: true\n",
+        "datasets:\n  - path: some/dataset\nstreaming: true\n",
+    ],
+    ids=["dataset_streaming", "datasets-mixture"],
+)
+def test_a_streaming_dataset_with_prompt_pruning_is_a_line_not_a_traceback(yaml_text, tmp_path, capsys):
+    config = write_yaml(
+        tmp_path / "c.yaml",
+        yaml_text + "prompt_keep_rate: 0.5\nuse_cpu: true\nbf16: false\nmodel_name_or_path: /nonexistent/model\n",
+    )
+    with pytest.raises(SystemExit) as error:
+        main(["--config", config])
+    assert error.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dppo-trl: prompt_keep_rate=0.5 with ") and "streaming" in err and "Traceback" not in err
+    # without prompt pruning, a streaming dataset is accepted (nothing is loaded by parse)
+    script_args, training_args, _, dataset_args, *_ = parse(["--config", config, "--prompt_keep_rate", "1.0"])
+    assert training_args.prompt_keep_rate == 1.0 and (script_args.dataset_streaming or dataset_args.streaming)
+
+
+def test_yaml_launch_switches_are_passed_when_true_and_left_out_when_false(tmp_path):
+    base = "use_cpu: true\nbf16: false\nnum_processes: 2\n"
+    assert parse(["--config", write_yaml(tmp_path / "a.yaml", base + "multi_gpu: true\n")])[4] == [
+        "--num_processes",
+        "2",
+        "--multi_gpu",
+    ]
+    assert parse(["--config", write_yaml(tmp_path / "b.yaml", base + "multi_gpu: false\n")])[4] == [
+        "--num_processes",
+        "2",
+    ]
+    with pytest.raises(SystemExit, match="YAML key 'multi_gpu' is a switch"):
+        parse(["--config", write_yaml(tmp_path / "c.yaml", base + "multi_gpu: sometimes\n")])
 
 
 def test_flags_override_yaml(tmp_path):
@@ -78,16 +163,24 @@ def test_flags_override_yaml(tmp_path):
     assert os.environ.pop("DPPO_TEST_ENV") == "set-by-yaml"
 
 
-def test_help_lists_the_dppo_options():
+def test_help_lists_the_dppo_options_config_and_launch_options():
     text = make_parser().format_help()
     for name in DPPO_FIELDS:
         assert f"--{name}" in text, name
     assert "Horvitz" in text or "1/pi" in text  # the help text itself, not just the flag
+    assert "--config YAML_OR_RECIPE" in text
+    for name in bundled_recipes():
+        assert name in text, name
+    launch = text[text.index("launch options (") :]
+    for flag in ["--accelerate_config", "--num_processes", "--num_machines", "--mixed_precision", "--use_deepspeed"]:
+        assert flag in launch, flag
+    assert "--zero_stage" in launch and "--gradient_accumulation_steps" not in launch  # that one is training's
 
 
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "dppo_trl", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--completion_keep_rate" in out.stdout
+    assert "--config YAML_OR_RECIPE" in out.stdout and "--num_processes" in out.stdout
 
 
 def tiny_run_config(tmp_path, model_dir, extra: str) -> str:
