@@ -10,22 +10,21 @@ pruning wired into its hooks.
   padding-free (several sequences per row, position_ids restarting per sequence) and unpacks the result
   into TRL's padded ``(B, T)`` layout, so TRL's loss code runs unchanged.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled
-  to the full-batch normalizer; the KL term (``beta > 0``) is weighted the same way.
-- ``_calculate_rewards``: remembers the rewards (for the ``zero_variance`` filter).
-- Prompt pruning: ``_get_train_sampler`` (the sampler), ``create_scheduler`` (a schedule, and a progress bar,
-  that follow data progress in epoch-based runs), ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``
-  (its state).
+  to the full-batch normalizer; the KL term (``beta > 0``) and the entropy bonus are weighted the same way and
+  added beside it, with the MoE router loss of the forwarded rows; TRL's logged means become weighted ones.
+- ``get_high_entropy_mask``: the entropy filter's quantile, weighted.
+- ``_calculate_rewards``: remembers the rewards (zero-spread groups score 0; the ``zero_variance`` filter).
+- Prompt pruning: ``dppo_trl.prompt_hooks`` (the sampler, the schedule and progress bar that follow data
+  progress in epoch-based runs, the sampler's state in checkpoints).
 
-The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing`` and ``dppo_trl.prompts``; with
+The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing``, ``dppo_trl.prompts``, ``dppo_trl.metrics`` and
+``dppo_trl.batch``; with
 ``completion_keep_rate=1.0``, ``prompt_keep_rate=1.0`` and ``packing=False`` every hook is TRL's own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import os
 
 import torch
 from datasets import IterableDataset
@@ -34,7 +33,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
 from .batch import filler_row, loss_mask, pad_to_width, select_rows, with_fillers
-from .callbacks import DataProgressBarCallback, DataProgressScheduler, DPPOSummaryCallback
+from .callbacks import DataProgressBarCallback, DPPOSummaryCallback
 from .config import DPPOConfig, as_dppo_config
 from .metrics import ratio, weighted_mean_stats, weighted_quantile
 from .packing import (
@@ -52,7 +51,7 @@ from .packing import (
     rank_imbalance,
     varlen_kwargs,
 )
-from .prompts import PromptPruningSampler
+from .prompt_hooks import PromptPruningHooks
 from .pruning import (
     SEQUENCE_MEAN_LOSS_TYPES,
     adaptive_entropy_coef,
@@ -72,7 +71,7 @@ from .pruning import (
 )
 
 
-class DPPOTrainer(GRPOTrainer):
+class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
     batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
 
@@ -112,10 +111,10 @@ class DPPOTrainer(GRPOTrainer):
             callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
             peft_config=peft_config, tools=tools, rollout_func=rollout_func, environment_factory=environment_factory,
         )  # fmt: skip
-        self._prompt_sampler: PromptPruningSampler | None = None
-        self._prompt_resume: tuple[dict, int] | None = None
-        self._next_prompt_batch = 0
-        self._prompts_walked = 0
+        self._setup_dppo()
+
+    def _setup_dppo(self) -> None:
+        """DPPO's per-run state and callbacks, once TRL has built the trainer."""
         self._deferred_logp_calls: list | None = None
         self._captured_logps: list | None = None
         self._loss_row_weights: torch.Tensor | None = None  # rows' weights while TRL's loss runs (entropy filter)
@@ -127,7 +126,7 @@ class DPPOTrainer(GRPOTrainer):
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = is_varlen_attention(attention)
         self.add_callback(DPPOSummaryCallback())
-        if args.prompt_pruning and args.max_steps <= 0:
+        if self.args.prompt_pruning and self.args.max_steps <= 0:
             self.add_callback(
                 DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks)
             )
@@ -215,103 +214,6 @@ class DPPOTrainer(GRPOTrainer):
         self._run_deferred_logps(output, calls, output["dppo_keep"])
         output["dppo_weight"] = output["dppo_weight"].to(torch.float32)
         return output
-
-    def _get_train_sampler(self, dataset=None):
-        if not self.args.prompt_pruning:
-            return super()._get_train_sampler(dataset)
-        if self._prompt_sampler is None:
-            dataset = self.train_dataset if dataset is None else dataset
-            base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
-            self._prompt_sampler = PromptPruningSampler(
-                num_prompts=len(dataset),
-                group_size=self.num_generations,
-                prompts_per_batch=self.args.generation_batch_size // self.num_generations,
-                repeat_count=self.num_iterations * self.args.steps_per_generation,
-                keep_rate=self.args.prompt_keep_rate,
-                keep_floor=self.args.prompt_keep_floor,
-                history_decay=self.args.prompt_history_decay,
-                shuffle=self.shuffle_dataset,
-                seed=self.args.seed,
-                accept_seed=(base * 0xD1B54A32D192ED03 + 0x8CB92BA72F3D8DD7) % 2**63,
-                max_epochs=None if self.args.max_steps > 0 else math.ceil(self.args.num_train_epochs),
-            )
-            self._prompt_sampler.skip_units = self._resume_skip_units
-            if self._prompt_resume is not None:
-                self._prompt_sampler.load_state_dict(*self._prompt_resume)
-                self._prompt_resume = None
-        return self._prompt_sampler
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.args.prompt_pruning and self.args.max_steps <= 0 and not isinstance(scheduler, DataProgressScheduler):
-            # Epoch-based: the schedule was planned for GRPO's step count; drive it by data progress instead.
-            self.lr_scheduler = scheduler = DataProgressScheduler(scheduler, self._grpo_equivalent_steps)
-        return scheduler
-
-    def _grpo_equivalent_steps(self) -> int:
-        """Optimizer steps GRPO would have taken to walk as far through the data as this run has."""
-        batches = self._prompts_walked / (self.args.generation_batch_size // self.num_generations)
-        steps_per_batch = self.args.steps_per_generation * self.num_iterations / self.args.gradient_accumulation_steps
-        return math.floor(batches * steps_per_batch + 1e-9)
-
-    def _resume_skip_units(self) -> int:
-        """How many dataloader batches the HF Trainer discards when it resumes (its own arithmetic, on the
-        unpruned epoch length that the sampler reports)."""
-        if self.args.ignore_data_skip:
-            return 0
-        units_per_epoch = len(self._prompt_sampler) // self.args.generation_batch_size
-        steps_per_epoch = max(math.ceil(units_per_epoch / self.args.gradient_accumulation_steps), 1)
-        return (self.state.global_step % steps_per_epoch) * self.args.gradient_accumulation_steps
-
-    def _take_prompt_decision(self, inputs, scores) -> torch.Tensor:
-        """This generation batch's prompt weights (every rank's rows); feeds the group's mean |A| back to the
-        history. Checks that the batch is the one the sampler planned."""
-        decision = self._prompt_sampler.pop_decision(self._next_prompt_batch)
-        self._next_prompt_batch = decision["number"] + 1
-        self._prompts_walked += decision["walked"]
-        group = self.num_generations
-        rows = [i for i in decision["prompts"] for _ in range(group)]
-        local = len(inputs)
-        mine = rows[self._local(local)]
-        expected = [self.train_dataset[i]["prompt"] for i in mine]
-        if expected != [x["prompt"] for x in inputs]:
-            raise RuntimeError("DPPO prompt sampler and trainer disagree on the generation batch's prompts.")
-        self._prompt_sampler.update(decision["prompts"], scores.abs().view(-1, group).mean(1).tolist())
-        weights = torch.tensor([w for w in decision["weights"] for _ in range(group)], dtype=torch.float64)
-        metrics = self._metrics["train"]
-        metrics["dppo/prompt_keep_rate"].append(decision["accepted_fraction"])
-        metrics["dppo/prompt_q_bar"].append(decision["q_bar"])
-        metrics["dppo/prompt_weight_max"].append(max(decision["weights"]))
-        return weights
-
-    _PROMPT_STATE_FILE = "dppo_prompt_sampler.json"
-
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self._prompt_sampler is not None and self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            with open(os.path.join(folder, self._PROMPT_STATE_FILE), "w") as f:
-                json.dump(
-                    {
-                        "sampler": self._prompt_sampler.state_dict(),
-                        "next_batch": self._next_prompt_batch,
-                        "prompts_walked": self._prompts_walked,
-                    },
-                    f,
-                )
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, self._PROMPT_STATE_FILE) if checkpoint else None
-        if self.args.prompt_pruning and path and os.path.exists(path):
-            with open(path) as f:
-                state = json.load(f)
-            self._next_prompt_batch = state["next_batch"]
-            self._prompts_walked = state["prompts_walked"]
-            if self._prompt_sampler is not None:
-                self._prompt_sampler.load_state_dict(state["sampler"], state["next_batch"])
-            else:
-                self._prompt_resume = (state["sampler"], state["next_batch"])
 
     def _prepare_inputs(self, generation_batch):
         if not self._dppo_now():
