@@ -18,7 +18,7 @@ from test_vllm_path import SimulatedVLLM
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.toy import addition_pairs, build_tiny_model, build_tokenizer
+from dppo_trl.toy import addition_pairs, build_tiny_model, build_tokenizer, save_tiny_model
 
 # ---------------------------------------------------------------------------------------------- tiny offline models
 
@@ -28,35 +28,7 @@ def moe_model_dir(tmp_path_factory):
     """A tiny Qwen3-MoE (4 experts, top-2) with the router settings of the released configs: the
     ``output_router_logits`` field present (False) and ``router_aux_loss_coef=0.001``, so TRL turns its
     load-balancing loss on."""
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    directory = str(tmp_path_factory.mktemp("tiny-moe"))
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=False,
-        router_aux_loss_coef=0.001,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = Qwen3MoeForCausalLM(config)
-    eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-moe"), hidden_size=32, num_layers=2, moe=True)
 
 
 @pytest.fixture(scope="session")

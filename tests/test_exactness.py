@@ -9,8 +9,9 @@ import pytest
 import torch
 import varlen_reference
 from conftest import cpu_config, random_reward
+from test_packing import padded_and_packed_loss_and_grad
 from test_trainer import RecordingTrainer, train
-from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
+from test_unbiased import dppo_loss_and_grad, make_trainer, synthetic_batch
 from test_vllm_path import SimulatedVLLM
 from test_vllm_path import run as vllm_config
 from trl import GRPOConfig, GRPOTrainer
@@ -59,14 +60,7 @@ def test_packed_update_equals_padded_under_flash_semantics(tmp_path, tiny_model_
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, spg, gradient_accumulation_steps=ga,
                            model_init_kwargs={"attn_implementation": VARLEN}, **extra)  # fmt: skip
     trainer.current_gradient_accumulation_steps = ga
-    batch = synthetic_batch(trainer, seed=2)
-    keep = torch.tensor([True, True, False, True, True, True])
-    weights = torch.where(keep, torch.tensor([1.5, 2.0, 0.0, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS))
-    results = {}
-    for packing in (False, True):
-        trainer.args.packing = packing
-        results[packing] = dppo_loss_and_grad(trainer, batch, keep, weights)
-    (loss, grad), (packed_loss, packed_grad) = results[False], results[True]
+    (loss, grad), (packed_loss, packed_grad) = padded_and_packed_loss_and_grad(trainer)
     assert float(packed_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(packed_grad, grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
 

@@ -128,6 +128,19 @@ def test_packed_logprobs_equal_padded(tmp_path, tiny_model_dir, train_dataset, a
     assert torch.all(plp[~m] == 0)
 
 
+def padded_and_packed_loss_and_grad(trainer):
+    """Loss and gradient of one synthetic generation batch (5 of 6 rows kept, unequal weights) through DPPO's
+    split and loss, padded (``packing=False``) and packed."""
+    batch = synthetic_batch(trainer, seed=2)
+    keep = torch.tensor([True, True, False, True, True, True])
+    weights = torch.where(keep, torch.tensor([1.5, 2.0, 0.0, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS))
+    results = {}
+    for packing in (False, True):
+        trainer.args.packing = packing
+        results[packing] = dppo_loss_and_grad(trainer, batch, keep, weights)
+    return results[False], results[True]
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "sapo"])
 @pytest.mark.parametrize("use_peft", [False, True])
 def test_packed_loss_and_gradient_equal_padded(tmp_path, tiny_model_dir, train_dataset, loss_type, use_peft):
@@ -136,14 +149,7 @@ def test_packed_loss_and_gradient_equal_padded(tmp_path, tiny_model_dir, train_d
         from peft import LoraConfig, get_peft_model
 
         trainer.model = get_peft_model(trainer.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    batch = synthetic_batch(trainer, seed=2)
-    keep = torch.tensor([True, True, False, True, True, True])
-    weights = torch.where(keep, torch.tensor([1.5, 2.0, 0.0, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS))
-    results = {}
-    for packing in (False, True):
-        trainer.args.packing = packing
-        results[packing] = dppo_loss_and_grad(trainer, batch, keep, weights)
-    (loss, grad), (packed_loss, packed_grad) = results[False], results[True]
+    (loss, grad), (packed_loss, packed_grad) = padded_and_packed_loss_and_grad(trainer)
     assert grad.abs().sum() > 0
     assert float(packed_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(packed_grad, grad, rtol=1e-4, atol=1e-6)
