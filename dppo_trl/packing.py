@@ -9,8 +9,6 @@ No TRL import. Lengths are token counts of whole sequences (prompt + completion,
 - ``pack_rows``: one bin's sequences into as few packed rows of at most ``budget`` tokens as first-fit
   decreasing needs, balanced by LPT; a sequence longer than the budget gets a row of its own (never dropped
   or cut).
-- ``packed_layout``: where each sequence's tokens sit in the packed rows, and the ``position_ids`` that
-  restart at 0 for each sequence (transformers derives the block-diagonal causal mask from them).
 - ``balance_ranks``: which rank trains which kept row, moving as few rows as it can from the most to the least
   loaded rank until every rank's token load is within a tolerance of the mean (or no move helps).
 - ``pack_call`` / ``plan_forward_calls``: the packed rows of one forward call, and the calls of a pass, each
@@ -146,16 +144,6 @@ def plan_forward_calls(lengths: list[int], max_rows: int, row_budget: int, call_
         ):
             return groups
     return groups  # unreachable: the loop returns at calls == most
-
-
-def packed_layout(lengths: list[int], row: list[int]) -> tuple[list[int], list[int]]:
-    """For one packed row: the start offset of each of its sequences and the row's ``position_ids``."""
-    starts, position_ids, offset = [], [], 0
-    for i in row:
-        starts.append(offset)
-        position_ids.extend(range(lengths[i]))
-        offset += lengths[i]
-    return starts, position_ids
 
 
 def default_packed_tokens(rows_per_microbatch: int, longest_sequence: int, varlen_attention: bool) -> int:

@@ -123,6 +123,8 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
         self._widths_per_rank: list[int] = []
+        self._row_tokens: torch.Tensor | None = None
+        self._padded_widths: torch.Tensor | None = None
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = is_varlen_attention(attention)
         self.add_callback(DPPOSummaryCallback())
@@ -203,8 +205,7 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
             prompt_weights = self._take_prompt_decision(inputs, scores)
             weights = weights * prompt_weights
             # The token-mean normalizer counts the batch GRPO would have drawn, not the accepted one.
-            loss_tokens = self.accelerator.gather(loss_mask(output).sum(1)).cpu()
-            count = prompt_weighted_token_count(loss_tokens, prompt_weights)
+            count = prompt_weighted_token_count(self._row_tokens[:, 2], prompt_weights)
             output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
         if self.args.completion_pruning or self.args.prompt_pruning:
             self._log_pruning_metrics(output, keep, weights, pi, scores)
@@ -386,10 +387,9 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         (``pi`` None for the deterministic designs). Also records every rank's kept sequence lengths, from
         which each rank derives the common micro-batch row counts and forward calls."""
         local_rows = output["advantages"].size(0)
-        lengths = self.accelerator.gather(output["completion_mask"].sum(1) + output["prompt_mask"].sum(1)).cpu()
-        width = torch.tensor([output["prompt_mask"].size(1) + output["completion_mask"].size(1)])
-        self._widths_per_rank = self.accelerator.gather(width.to(self.accelerator.device)).tolist()
-        loss_tokens = self.accelerator.gather(loss_mask(output).sum(1)).cpu()
+        self._gather_row_tokens(output)
+        lengths = self._row_tokens[:, :2].sum(1)
+        loss_tokens = self._row_tokens[:, 2]
         design, rate = self.args.prune_sampling, self.args.completion_keep_rate
         pi = None
         if not self.args.completion_pruning:  # packing only: every row, weight 1
@@ -413,11 +413,22 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         self._kept_lengths_per_rank = [rank_lengths[kept].tolist() for rank_lengths, kept in per_rank]
         return keep, weights, pi
 
+    def _gather_row_tokens(self, output) -> None:
+        """Every rank's per-row token counts (prompt, completion, loss tokens: ``_row_tokens``, one row per row of
+        the generation batch) and padded widths (``_padded_widths``: prompt, completion per rank), in two gathers;
+        ``_widths_per_rank``: each rank's padded sequence width."""
+        counts = [output["prompt_mask"].sum(1), output["completion_mask"].sum(1), loss_mask(output).sum(1)]
+        self._row_tokens = self.accelerator.gather(torch.stack([c.long() for c in counts], 1)).cpu()
+        widths = torch.tensor([[output["prompt_mask"].size(1), output["completion_mask"].size(1)]])
+        self._padded_widths = self.accelerator.gather(widths.to(self.accelerator.device)).cpu()
+        self._widths_per_rank = self._padded_widths.sum(1).tolist()
+
     def _log_pruning_metrics(self, output, keep, weights, pi, scores):
-        """The ``dppo/*`` metrics of the global decision; ``weights`` include the prompt weights."""
+        """The ``dppo/*`` metrics of the global decision (from ``_row_tokens``); ``weights`` include the prompt
+        weights."""
         metrics = self._metrics["train"]
-        completion = self.accelerator.gather(output["completion_mask"].sum(1)).cpu().double()
-        sequence = completion + self.accelerator.gather(output["prompt_mask"].sum(1)).cpu().double()
+        completion = self._row_tokens[:, 1].double()
+        sequence = self._row_tokens[:, :2].sum(1).double()
         n = keep.numel()
         metrics["dppo/kept_fraction"].append(float(keep.float().mean()))
         metrics["dppo/kept_prompt_fraction"].append(float(keep.view(-1, self.num_generations).any(1).float().mean()))
@@ -448,8 +459,7 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         if slots == 0:
             return output
         local_rows = output["dppo_keep"].size(0)
-        widths = torch.tensor([output["prompt_ids"].size(1), output["completion_ids"].size(1)])
-        widths = self.accelerator.gather(widths.to(self.accelerator.device)).view(-1, 2).amax(0).tolist()
+        widths = self._padded_widths.amax(0).tolist()
         self._widths_per_rank = [sum(widths)] * self.accelerator.num_processes  # every rank pads to the widest
         per_sequence_ratio = str(self.vllm_importance_sampling_mode).startswith("sequence")
         leaving = output["dppo_keep"].nonzero().flatten()[leaving]

@@ -18,7 +18,6 @@ from dppo_trl.packing import (
     default_packed_tokens,
     microbatch_row_counts,
     pack_rows,
-    packed_layout,
     plan_forward_calls,
     rank_imbalance,
 )
@@ -77,10 +76,7 @@ def test_pack_rows_respects_the_budget_and_keeps_every_sequence(lengths, budget)
     assert rows == pack_rows(lengths, budget)
 
 
-def test_packed_layout_restarts_positions():
-    starts, pos = packed_layout([3, 5, 2], [1, 0, 2])
-    assert starts == [0, 5, 8]
-    assert pos == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+def test_default_row_budget_by_kernel():
     assert default_packed_tokens(8, 40, varlen_attention=True) == 320
     assert default_packed_tokens(8, 40, varlen_attention=False) == 40
 
