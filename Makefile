@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: constraints setup test test-multiprocess test-wheel demo bench bench-train bench-gpu clean
+.PHONY: constraints setup test test-multiprocess test-wheel demo bench bench-train bench-gpu bench-reasoning \
+	bench-variance clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +49,15 @@ bench-gpu: $(STAMP)
 
 bench-train: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_train.py
+
+# The users' regime: countdown task (long-tailed chains, many zero-variance groups), TRL's defaults (dapo, beta 0,
+# G=8, steps_per_generation > gradient_accumulation_steps), same epochs for every method, 2 seeds (~40 min here).
+bench-reasoning: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_reasoning.py --plots docs/images
+
+# Gradient error per unit of compute of every estimator against the population gradient, float64 (~15 min here).
+bench-variance: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_variance.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -104,6 +104,8 @@ def timed(trainer_cls):
             keep = torch.ones_like(rewards, dtype=torch.bool) if keep is None else keep.cpu()
             weights = self._bench_prompt_weights
             self._bench_prompt_weights = None
+            spread = rewards.view(-1, self.num_generations)
+            zero_variance = float((spread.amax(1) == spread.amin(1)).float().mean())
             # With prompt pruning the generated prompts are a weighted sample: the Hajek estimate (weights
             # q_bar / q) is the reward of the policy on the whole training set, comparable with GRPO's.
             population = float((weights * rewards).sum() / weights.sum()) if weights is not None else None
@@ -112,7 +114,12 @@ def timed(trainer_cls):
                     "step": self.state.global_step,
                     "reward": float(rewards.mean()),
                     "population_reward": population if population is not None else float(rewards.mean()),
+                    "zero_variance_groups": zero_variance,
                     "completions": int(rewards.numel()),
+                    "padded_tokens": float(
+                        rewards.numel() * output["completion_mask"].size(1)
+                        + rewards.numel() * output["prompt_mask"].size(1)
+                    ),  # fmt: skip
                     "kept_completions": int(keep.sum()),
                     "completion_tokens": float(completion_tokens.sum()),
                     "trained_sequence_tokens": float(sequence_tokens[keep].sum()),
@@ -132,9 +139,11 @@ def timed(trainer_cls):
     return Timed
 
 
-def bench_callback(trainer, evaluate, eval_every, budget):
-    """Per-step wall clock (evaluation excluded), phase split, and held-out accuracy every ``eval_every``
-    steps, at the start, at the step budget and at the end."""
+def bench_callback(trainer, evaluate, eval_every, budget, progress=None):
+    """Per-step wall clock (evaluation excluded), phase split, and held-out accuracy each time ``progress``
+    (optimizer steps by default; a function of the trainer, e.g. GRPO-equivalent steps of data walked) passes a
+    multiple of ``eval_every``, at the start, at the step budget and at the end."""
+    progress = progress or (lambda trainer: trainer.state.global_step)
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
@@ -148,10 +157,11 @@ def bench_callback(trainer, evaluate, eval_every, budget):
             model = trainer.accelerator.unwrap_model(trainer.model)
             was_training = model.training
             model.eval()
-            accuracy = evaluate(model)
+            result = evaluate(model)  # a float, or a dict with the main figure under "accuracy"
             model.train(was_training)
             self.excluded += time.perf_counter() - start
-            self.evals.append({"step": state.global_step, "wall": self.wall(), "accuracy": accuracy})
+            self.evals.append({"step": state.global_step, "progress": progress(trainer), "wall": self.wall(),
+                               **(result if isinstance(result, dict) else {"accuracy": result})})  # fmt: skip
 
         def wall(self):
             return time.perf_counter() - self.start - self.excluded
@@ -160,7 +170,7 @@ def bench_callback(trainer, evaluate, eval_every, budget):
             trainer._bench_reset()
             self.start = time.perf_counter()
             self.last_phase = dict(trainer.bench_phase)
-            self.last_wall = 0.0
+            self.last_wall, self.next_eval = 0.0, eval_every
             self._evaluate(state)
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -169,8 +179,10 @@ def bench_callback(trainer, evaluate, eval_every, budget):
             phase["other"] = (wall - self.last_wall) - sum(phase.values())
             self.steps.append({"step": state.global_step, "wall": wall, "seconds": wall - self.last_wall, **phase})
             self.last_phase, self.last_wall = dict(trainer.bench_phase), wall
-            if state.global_step % eval_every == 0 or state.global_step == budget:
+            if progress(trainer) >= self.next_eval or state.global_step == budget:
                 self._evaluate(state)
+                while self.next_eval <= progress(trainer):
+                    self.next_eval += eval_every
 
         def on_train_end(self, args, state, control, **kwargs):
             if not self.evals or self.evals[-1]["step"] != state.global_step:
@@ -182,7 +194,8 @@ def bench_callback(trainer, evaluate, eval_every, budget):
 def run_one(name, settings, seed, setup):
     """Train one method (``settings``: DPPOConfig fields, None for TRL's GRPO) from ``setup["model_dir"]`` for
     ``setup["steps"]`` optimizer steps (pruned methods go on for ``setup["extension"]`` more, used only to see
-    when they reach GRPO's final reward); return its per-step, per-generation and evaluation records."""
+    when they reach GRPO's final reward), or for ``setup["epochs"]`` epochs where given; return its per-step,
+    per-generation and evaluation records."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -197,7 +210,11 @@ def run_one(name, settings, seed, setup):
         disable_tqdm=True,
         logging_steps=10**6,
         seed=seed,
-        max_steps=setup["steps"] + (setup["extension"] if settings is not None else 0),
+        **(
+            dict(num_train_epochs=setup["epochs"])  # the epoch protocol (bench_reasoning.py): no step budget
+            if setup.get("epochs")
+            else dict(max_steps=setup["steps"] + (setup["extension"] if settings is not None else 0))
+        ),
         **setup["trainer_args"],
     )
     if settings is None:
@@ -208,7 +225,7 @@ def run_one(name, settings, seed, setup):
     evaluate = setup.get("evaluate")
     if evaluate is not None:
         evaluate = functools.partial(evaluate, tokenizer=trainer.processing_class)
-    clock = bench_callback(trainer, evaluate, setup["eval_every"], setup["steps"])
+    clock = bench_callback(trainer, evaluate, setup["eval_every"], setup.get("steps"), setup.get("progress"))
     trainer.add_callback(clock)
     for quiet in (PrinterCallback, ProgressCallback, DPPOSummaryCallback):  # the table is the report
         trainer.remove_callback(quiet)
@@ -218,7 +235,7 @@ def run_one(name, settings, seed, setup):
         "method": name,
         "settings": settings,
         "seed": seed,
-        "budget": setup["steps"],
+        "budget": setup.get("steps"),
         "steps": clock.steps,
         "generations": trainer.bench_generations,
         "evals": clock.evals,

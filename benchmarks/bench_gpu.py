@@ -86,6 +86,28 @@ def resolve_model(args) -> str:
     return args.model
 
 
+def countdown_setup(args, model_dir: str, prompts: int) -> tuple[str, dict]:
+    """The reasoning shape (``--task countdown``): the model warm-started on countdown chains with
+    ``--sft-steps`` supervised steps (cached beside it), so that completions have long-tailed lengths and groups
+    mix solved and unsolved prompts; the exact-chain reward. Returns the warm model's directory and the setup."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dppo_trl.countdown import countdown, countdown_dataset, countdown_reward, countdown_splits, warm_start_starts
+    from dppo_trl.toy import supervised_steps
+
+    warm_dir = Path(args.cache) / f"{Path(model_dir).name}-countdown-{args.sft_steps}"
+    if not (warm_dir / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.to("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+        examples = [(f"{s}=", countdown(s)) for s in warm_start_starts()]
+        supervised_steps(model, tokenizer, examples, args.sft_steps, batch_size=32, lr=args.sft_lr)
+        model.to("cpu").save_pretrained(warm_dir)
+        tokenizer.save_pretrained(warm_dir)
+    train, _ = countdown_splits(train_size=prompts)
+    return str(warm_dir), {"reward_funcs": countdown_reward, "train_dataset": countdown_dataset(train)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="local", help="'smollm2', 'local', or a model directory / hub id")
@@ -95,10 +117,20 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per method")
     parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (completions)")
     parser.add_argument("--steps-per-generation", type=int, default=2)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--keep-rate", type=float, default=0.5, help="DPPO's completion_keep_rate")
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--use-vllm", action="store_true", help="TRL's vLLM colocate generation (vLLM installed)")
+    parser.add_argument(
+        "--task",
+        choices=["addition", "countdown"],
+        default="addition",
+        help="addition: short answers, dense reward; countdown: the reasoning shape (long-tailed "
+        "chains, binary exact-chain reward, zero-variance groups) after a supervised warm start",
+    )
+    parser.add_argument("--sft-steps", type=int, default=300, help="--task countdown: supervised warm-start steps")
+    parser.add_argument("--sft-lr", type=float, default=3e-3, help="--task countdown: warm-start learning rate")
     parser.add_argument("--cache", default="outputs/bench-gpu")
     parser.add_argument("--json", default="benchmarks/results/bench_gpu.json")
     args = parser.parse_args(argv)
@@ -116,6 +148,7 @@ def main(argv=None):
         use_cpu=not cuda,
         per_device_train_batch_size=args.batch_size,
         steps_per_generation=args.steps_per_generation,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         num_generations=8,
         max_completion_length=args.max_completion_length,
         temperature=1.0,
@@ -123,12 +156,14 @@ def main(argv=None):
         learning_rate=1e-6,
         lr_scheduler_type="constant",
     )
+    task = {"reward_funcs": answer_reward, "train_dataset": addition_dataset(addition_pairs(seed=0)[0][:prompts])}
+    if args.task == "countdown":
+        model_dir, task = countdown_setup(args, model_dir, prompts)
     if args.use_vllm:
         trainer_args.update(use_vllm=True, vllm_mode="colocate")
     setup = {
         "model_dir": model_dir,
-        "reward_funcs": answer_reward,
-        "train_dataset": addition_dataset(addition_pairs(seed=0)[0][:prompts]),
+        **task,
         "evaluate": None,
         "eval_every": 10**9,
         "steps": args.steps,
@@ -152,6 +187,10 @@ def main(argv=None):
                 "kept_fraction": sum(g["kept_completions"] for g in run["generations"])
                 / sum(g["completions"] for g in run["generations"]),
                 "reward": statistics.mean(g["reward"] for g in run["generations"]),
+                "zero_variance_share": statistics.mean(g["zero_variance_groups"] for g in run["generations"]),
+                # real tokens of every generated row over the tokens TRL's padded batches allocate
+                "padded_density": sum(g["sequence_tokens"] for g in run["generations"])
+                / sum(g["padded_tokens"] for g in run["generations"]),
             }
         )
     base = results[0]
@@ -159,13 +198,14 @@ def main(argv=None):
         r["step_ratio_to_grpo"] = r["step_s"] / base["step_s"]
         r["training_phase_ratio_to_grpo"] = r["training_phase_s"] / base["training_phase_s"]
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
-    print(f"\n{model_dir} on {device}, {args.steps} steps per method")
-    print(f"{'method':<8}{'step s':>9}{'ratio':>8}{'training s':>12}{'ratio':>8}{'gen s':>8}{'kept':>7}{'reward':>8}")
+    print(f"\n{model_dir} on {device}, {args.task}, {args.steps} steps per method")
+    print(f"{'method':<8}{'step s':>9}{'ratio':>8}{'training s':>12}{'ratio':>8}{'gen s':>8}{'kept':>7}{'reward':>8}"
+          f"{'0-var':>7}{'density':>9}")  # fmt: skip
     for r in results:
         print(
             f"{r['method']:<8}{r['step_s']:>9.3f}{r['step_ratio_to_grpo']:>8.3f}{r['training_phase_s']:>12.3f}"
             f"{r['training_phase_ratio_to_grpo']:>8.3f}{r['phases_per_step_s']['generation']:>8.3f}"
-            f"{r['kept_fraction']:>7.2f}{r['reward']:>8.3f}"
+            f"{r['kept_fraction']:>7.2f}{r['reward']:>8.3f}{r['zero_variance_share']:>7.2f}{r['padded_density']:>9.3f}"
         )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

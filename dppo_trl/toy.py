@@ -40,7 +40,9 @@ def build_tokenizer():
     return tokenizer
 
 
-def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, moe: bool = False):
+def build_tiny_model(
+    tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, moe: bool = False, max_positions: int = 256
+):
     """A random-init Qwen2 causal LM sized for a CPU test (tied embeddings, fp32, sdpa attention); ``moe``: a
     Qwen3-MoE of the same size instead (4 experts, 2 per token, the router loss coefficient of the real configs)."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -53,7 +55,7 @@ def build_tiny_model(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -102,22 +104,20 @@ def exact_answer_reward(completions, answer, **kwargs) -> list[float]:
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 
-def supervised_warm_start(
-    model, tokenizer, pairs, steps: int = 200, batch_size: int = 256, lr: float = 1e-3, seed: int = 0
-):
-    """Plain next-token training on ``"a+b=" + answer + eos`` (loss on the answer only)."""
+def supervised_steps(model, tokenizer, examples, steps: int, batch_size: int = 256, lr: float = 1e-3, seed: int = 0):
+    """Plain next-token training on ``prompt + answer + eos`` for ``(prompt, answer)`` examples drawn at random
+    (loss on the answer and eos only); returns the last step's loss."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     eos = tokenizer.eos_token
+    loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        batch = rng.sample(pairs, min(batch_size, len(pairs)))
-        prompts = [f"{a}+{b}=" for a, b in batch]
-        texts = [p + str(a + b) + eos for p, (a, b) in zip(prompts, batch)]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = rng.sample(examples, min(batch_size, len(examples)))
+        enc = tokenizer([p + a + eos for p, a in batch], return_tensors="pt", padding=True, add_special_tokens=False)
         labels = enc["input_ids"].clone()
         labels[enc["attention_mask"] == 0] = -100
-        for i, p in enumerate(prompts):
+        for i, (p, _) in enumerate(batch):
             pad = int((enc["attention_mask"][i] == 0).sum())
             labels[i, : pad + len(p)] = -100
         loss = model(**enc, labels=labels).loss
@@ -125,22 +125,41 @@ def supervised_warm_start(
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
+    return float(loss.detach())
+
+
+def supervised_warm_start(
+    model, tokenizer, pairs, steps: int = 200, batch_size: int = 256, lr: float = 1e-3, seed: int = 0
+):
+    """Plain next-token training on ``"a+b=" + answer + eos`` (loss on the answer only)."""
+    supervised_steps(model, tokenizer, [(f"{a}+{b}=", str(a + b)) for a, b in pairs], steps, batch_size, lr, seed)
     return model
 
 
 @torch.no_grad()
+def answers_correct(
+    model, tokenizer, prompts, answers, greedy: bool = True, max_new_tokens: int = 4, batch_size: int = 256
+) -> list[bool]:
+    """Per prompt: whether its completion (greedy, or sampled at temperature 1), stripped, is exactly its answer."""
+    correct = []
+    for i in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=1.0 if not greedy else None,
+            top_p=None,
+            top_k=None,
+        )
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
+        correct += [t.strip() == a for t, a in zip(texts, answers[i : i + batch_size])]
+    return correct
+
+
 def sampled_accuracy(model, tokenizer, pairs, greedy: bool = True, max_new_tokens: int = 4, limit: int = 200) -> float:
     """Fraction of ``pairs`` answered exactly (greedy or sampled at temperature 1)."""
     pairs = pairs[:limit]
-    prompts = [f"{a}+{b}=" for a, b in pairs]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(
-        **enc,
-        max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        temperature=1.0 if not greedy else None,
-        top_p=None,
-        top_k=None,
-    )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].size(1) :], skip_special_tokens=True)
-    return sum(t.strip() == str(a + b) for t, (a, b) in zip(texts, pairs)) / max(len(pairs), 1)
+    prompts, answers = [f"{a}+{b}=" for a, b in pairs], [str(a + b) for a, b in pairs]
+    correct = answers_correct(model, tokenizer, prompts, answers, greedy, max_new_tokens, batch_size=max(len(pairs), 1))
+    return sum(correct) / max(len(pairs), 1)

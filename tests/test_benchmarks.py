@@ -106,7 +106,7 @@ def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
 
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="",
-               CHECK_OUT=str(tmp_path / "check.json"))  # fmt: skip
+               CHECK_OUT=str(tmp_path / "check.json"), REASONING_OUT=str(tmp_path / "reasoning.json"))  # fmt: skip
     script = Path(__file__).parent.parent / "benchmarks" / "gpu.sh"
     result = subprocess.run(["bash", str(script), "--steps", "4", "--cache", str(tmp_path / "cache")], env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
@@ -118,6 +118,10 @@ def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
     assert dppo["training_phase_s"] > 0 and "step s" in result.stdout
     check = json.loads((tmp_path / "check.json").read_text())  # packed == padded ran first, on every CPU kernel
     assert {"sdpa", "eager", "varlen_reference"} <= set(check) and "MISMATCH" not in result.stdout
+    reasoning = json.loads((tmp_path / "reasoning.json").read_text())  # then the reasoning shape, GA 2 < spg 4
+    assert reasoning["config"]["task"] == "countdown" and reasoning["trainer_args"]["gradient_accumulation_steps"] == 2
+    assert [r["method"] for r in reasoning["results"]] == ["grpo", "dppo"]
+    assert all(0 <= r["zero_variance_share"] <= 1 and 0 < r["padded_density"] <= 1 for r in reasoning["results"])
 
 
 def test_bench_balance_reports_the_imbalance_before_and_after(tmp_path):
@@ -129,3 +133,44 @@ def test_bench_balance_reports_the_imbalance_before_and_after(tmp_path):
     for r in rows:
         assert r["imbalance_after_median"] <= r["imbalance_before_median"]
         assert r["imbalance_after_p95"] <= 1.1 + 1e-9 < r["imbalance_before_p95"] and 0 < r["rows_moved_fraction"] < 0.5
+
+
+import bench_reasoning  # noqa: E402
+
+
+def test_bench_reasoning_time_to_target_is_the_first_evaluation_at_grpo_final_accuracy():
+    run = {"evals": [{"wall": w, "accuracy": a} for w, a in ((0.0, 0.2), (5.0, 0.6), (9.0, 0.4), (12.0, 0.6))]}
+    walls, smooth = bench_reasoning.smoothed_accuracy(run, window=2)
+    assert walls == [0.0, 5.0, 9.0, 12.0] and [round(a, 9) for a in smooth] == [0.2, 0.4, 0.5, 0.5]
+    assert bench_reasoning.first_reaching(walls, smooth, 0.45) == 9.0  # the single 0.6 at 5 s is not enough
+    assert bench_reasoning.first_reaching(walls, smooth, 0.6) is None
+
+
+def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys):
+    out = tmp_path / "reasoning.json"
+    rows = bench_reasoning.main(["--seeds", "0", "--epochs", "2", "--train-prompts", "16", "--heldout", "4",
+                                 "--eval-every", "0.5", "--sft-steps", "20", "--hidden-size", "32", "--layers", "1",
+                                 "--batch-size", "16",
+                                 "--warmup", "0", "--model-cache", str(tmp_path / "model"), "--json", str(out),
+                                 "--plots", str(tmp_path / "plots")])  # fmt: skip
+    by = {r["method"]: r for r in rows}
+    assert list(by) == list(bench_reasoning.METHODS)
+    grpo = by["grpo"]
+    assert grpo["time_per_epoch_ratio"] == 1.0 and grpo["training_phase_ratio"] == 1.0 and grpo["kept_fraction"] == 1
+    # 16 prompts x 2 epochs, 8 prompts per generation batch: 4 generation batches of 64 completions
+    for method in ("grpo", "packing", "dppo", "topk", "zero_variance"):
+        assert by[method]["generation_batches"] == 4 and by[method]["generated_completions"] == 256
+    assert by["packing"]["kept_fraction"] == 1.0 and by["packing"]["trained_tokens"] == grpo["trained_tokens"]
+    assert 0 <= by["dppo"]["kept_fraction"] <= 0.5 and by["dppo"]["trained_tokens"] <= grpo["trained_tokens"]
+    # the ideal ratio of GRPO itself: its real tokens over the tokens its padded batches allocate
+    assert 0 < grpo["ideal_training_ratio"] <= 1
+    assert by["dppo+prompt"]["generated_completions"] <= 256  # prompt pruning may generate fewer in epoch 2
+    for row in rows:
+        assert 0 <= row["zero_variance_share"] <= 1 and abs(sum(row["phase_share"].values()) - 1) < 1e-6
+    saved = json.loads(out.read_text())
+    assert [r["method"] for r in saved["results"]] == list(bench_reasoning.METHODS)
+    runs = json.loads((tmp_path / saved["runs_file"]).read_text())
+    progress = [e["progress"] for e in runs[0]["evals"]]
+    assert progress[0] == 0 and progress[-1] == 8 and len(progress) >= 3  # 2 epochs x 4 steps, every half epoch
+    assert len(saved["plots"]) == 2 and all(Path(p).stat().st_size > 10_000 for p in saved["plots"])
+    assert "epoch/GRPO" in capsys.readouterr().out

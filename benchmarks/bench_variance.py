@@ -1,0 +1,629 @@
+"""Gradient efficiency per unit of compute: how close each pruning design's gradient estimate comes to the
+population gradient, for the tokens its log-prob and loss passes allocate.
+
+Checkpoints of a countdown model (`dppo_trl.countdown`, a char-level Qwen2 warm-started with 300, 400, 550
+supervised steps, each built on the previous one) stand in for stages of training: what matters is their mix of
+zero-variance groups and completion lengths. Per checkpoint, a pool of ``--batches`` (12) generation batches of
+``--prompts`` (8) training prompts x ``G`` (8) completions sampled at temperature 1, exact-chain reward, TRL's
+group advantages ``(r - mean) / (std + 1e-4)``; plus one more independent group per prompt whose mean |A| is the
+prompt's history score (prompt pruning). For every row, ``h_n = grad sum_t log p(token t | prefix)`` over its
+completion tokens in float64 (12 x 64 = 768 rows x ~310k parameters per checkpoint). The policy term of TRL's
+loss with ``beta=0``, on policy, is ``g_n = c_n h_n`` with ``c_n = -A_n / T_b`` (``dapo``: ``T_b`` the batch's
+completion tokens) or ``-A_n / (L_n N_b)`` (``grpo``: per-sequence mean over ``N_b`` rows).
+
+Every design estimates batch b's gradient as ``sum_n w_n g_n`` (the full-batch normalizer stays, as in DPPO's
+trainer). Its squared error to the population gradient (the pool mean, ``u = 1/B`` on every row) is the
+quadratic form ``e^T G e`` of ``e = w - u`` on the Gram ``G = diag(c) h h^T diag(c)``: only the diagonal blocks
+of ``G`` and the products with the batches' gradients are needed, so the full Gram is never formed. Averaged over
+batches and ``--prune-seeds`` (200) draws: ``mse``, ``mse_to_batch`` (the pruning noise alone), ``bias`` (norm of
+the seed-mean error to the batch gradient over its norm; an unbiased design shows only the noise level
+``bias_noise`` ~ 1/sqrt(seeds)), and ``compute`` (tokens allocated per batch by ONE log-prob or loss pass:
+TRL's padded batch for ``grpo``, the packed micro-batches of DPPO's trainer otherwise; generation is not
+counted). ``efficiency = (mse x compute)_grpo / (mse x compute)_design``; ``oracle@0.5`` (keep probabilities
+proportional to ``||g_n|| / sqrt(cost_n)`` at the token budget of ``systematic@0.5``) is the optimum of the
+family at that budget (exactly so for independent sampling), the limit to compare with.
+
+Caveats. The batch gradients are mostly noise here (GRPO's relative error to the pool mean is above 1), so the
+MSE to the pool mean rewards shrinkage: a biased design that shrinks the estimate (``topk``) can show less MSE
+than the full batch. ``prompt@`` draws each candidate prompt of a batch independently (about half accepted);
+under ``dapo`` its self-normalized token count makes it a ratio estimator, biased and noisier with these few
+accepted prompts than in the trainer, whose batches hold a full set of accepted prompts.
+
+About 7.5 minutes here single-threaded from scratch (4 of them the supervised warm start, cached under
+``--model-cache``; about 3 minutes once cached): per checkpoint ~25 s generation, ~20 s gradients, ~20 s estimators.
+
+    python benchmarks/bench_variance.py                          # writes benchmarks/results/bench_variance.json
+    python benchmarks/bench_variance.py --checkpoints 300 --batches 4 --prune-seeds 50 --json /tmp/v.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dppo_trl.config import _DEFAULT_KEEP_FLOOR, _DEFAULT_PROMPT_KEEP_FLOOR  # noqa: E402
+from dppo_trl.packing import assign_microbatches, default_packed_tokens, packed_allocation  # noqa: E402
+from dppo_trl.prompts import prompt_acceptance_probabilities  # noqa: E402
+from dppo_trl.pruning import (  # noqa: E402
+    horvitz_thompson_weights,
+    keep_probabilities,
+    poisson_sample,
+    systematic_sample,
+    topk_mask,
+    zero_spread_rows,
+    zero_variance_mask,
+)
+
+DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5", "topk@0.5",
+           "zero_variance", "prompt@0.5", "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
+UNBIASED = ("systematic", "poisson", "oracle")  # exactly unbiased for every loss type (prompt@: grpo only)
+LOSS_TYPES = ("dapo", "grpo")
+STEPS_PER_GENERATION, PER_DEVICE_ROWS = 4, 16  # DPPO trainer's micro-batching of one generation batch
+
+
+def stable_seed(*parts) -> int:
+    """A seed fixed by ``parts`` (the same in every run and process, unlike ``hash``)."""
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def design_parts(design: str) -> tuple[str, float | None]:
+    """``"systematic@0.5"`` -> ``("systematic", 0.5)``; a design without ``@`` has no nominal keep rate."""
+    name, _, rate = design.partition("@")
+    return name, float(rate) if rate else None
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+@dataclass
+class Batch:
+    """One generation batch: ``group_size`` consecutive rows per prompt. ``history``: per prompt, the mean |A|
+    of one more independent group (its prompt-pruning score)."""
+
+    rewards: torch.Tensor  # (N,) float64
+    advantages: torch.Tensor  # (N,) float64, exactly 0 on zero-spread groups
+    prompt_tokens: torch.Tensor  # (N,) long
+    completion_tokens: torch.Tensor  # (N,) long: loss tokens L_n (eos included when generated)
+    history: torch.Tensor  # (N / group_size,) float64
+    group_size: int
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """|A| with zero-spread groups forced to exactly 0 (the trainer's pruning scores)."""
+        return torch.where(zero_spread_rows(self.rewards, self.group_size), 0.0, self.advantages.abs())
+
+    @property
+    def cost(self) -> torch.Tensor:
+        """Tokens of each row's sequence (prompt + completion), float64."""
+        return (self.prompt_tokens + self.completion_tokens).double()
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """TRL's ``scale_rewards="group"``: ``(r - mean) / (std + 1e-4)`` per group (unbiased std), float64;
+    exactly 0 on a group whose rewards are all equal."""
+    groups = rewards.double().view(-1, group_size)
+    a = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+    return torch.where(zero_spread_rows(rewards, group_size), 0.0, a)
+
+
+def loss_coefficients(loss_type: str, batch: Batch) -> torch.Tensor:
+    """``c_n`` with ``g_n = c_n h_n``: ``-A_n / T_b`` (``dapo``) or ``-A_n / (L_n N_b)`` (``grpo``)."""
+    lengths = batch.completion_tokens.double()
+    if loss_type == "dapo":
+        return -batch.advantages / lengths.sum()
+    if loss_type == "grpo":
+        return -batch.advantages / (lengths * lengths.numel())
+    raise ValueError(f"loss_type={loss_type!r}: expected one of {LOSS_TYPES}")
+
+
+def padded_tokens(batch: Batch) -> int:
+    """TRL: every row of the generation batch allocates the widest prompt + the widest completion."""
+    return batch.prompt_tokens.numel() * int(batch.prompt_tokens.max() + batch.completion_tokens.max())
+
+
+@functools.lru_cache(maxsize=200_000)
+def _packed_tokens(lengths: tuple[int, ...], width: int) -> int:
+    bins = assign_microbatches(list(lengths), STEPS_PER_GENERATION, PER_DEVICE_ROWS)
+    budget = default_packed_tokens(PER_DEVICE_ROWS, width, varlen_attention=False)
+    # An empty micro-batch forwards one filler token, as the trainer's `with_fillers` does.
+    return sum(packed_allocation([lengths[i] for i in b] or [1], budget, PER_DEVICE_ROWS * width) for b in bins)
+
+
+def packed_tokens(batch: Batch, passed: torch.Tensor, generated: torch.Tensor) -> int:
+    """DPPO's trainer: the ``passed`` rows in ``STEPS_PER_GENERATION`` LPT micro-batches, each packed with the
+    row budget of sdpa (the padded width of the ``generated`` rows); 0 when nothing was generated."""
+    if not bool(generated.any()):
+        return 0
+    width = int(batch.prompt_tokens[generated].max() + batch.completion_tokens[generated].max())
+    lengths = (batch.prompt_tokens + batch.completion_tokens)[passed].tolist()
+    return _packed_tokens(tuple(sorted(lengths)), width)  # the bins' profile depends only on the multiset
+
+
+def oracle_probabilities(norms: torch.Tensor, cost: torch.Tensor, budget: float) -> torch.Tensor:
+    """``pi_n = min(1, t ||g_n|| / sqrt(cost_n))`` with ``sum pi_n cost_n = budget`` (every row with a
+    gradient kept when the budget allows): the keep probabilities that minimize the variance of the
+    Horvitz-Thompson sum under independent sampling, ``sum_n (1/pi_n - 1) ||g_n||^2``, at an expected token
+    budget. Rows with ``||g_n|| = 0`` get 0."""
+    norms, cost = norms.double(), cost.double()
+    a = norms / cost.sqrt()
+    positive = a > 0
+    pi = torch.zeros_like(a)
+    capped = torch.zeros_like(positive)
+    for _ in range(a.numel() + 1):
+        free = positive & ~capped
+        rest = budget - float(cost[capped].sum())
+        if rest <= 0 or not bool(free.any()):
+            break
+        t = rest / float((a[free] * cost[free]).sum())
+        newly = free & (t * a >= 1.0)
+        if not bool(newly.any()):
+            pi[free] = t * a[free]
+            break
+        capped |= newly
+    pi[capped] = 1.0
+    return pi
+
+
+# Prompt pruning, per candidate batch: each prompt j is accepted independently with probability q_j and its rows
+# carry 1/q_j. This per-candidate Bernoulli formulation is the per-batch equivalent of the trainer's sampler,
+# which walks the candidates, refills every batch with accepted prompts, and weights them q_bar/q_j: per
+# candidate, acceptance has probability q_j and the weight of an accepted one is 1/q_j up to the common q_bar
+# (which the sampler's extra steps per epoch, 1/q_bar, undo; and which the dapo normalizer cancels anyway).
+def prompt_acceptance(batch: Batch, keep_rate: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted rows, per-row prompt weight ``1/q_j`` on them, 0 elsewhere)."""
+    seen = torch.ones_like(batch.history, dtype=torch.bool)
+    q = prompt_acceptance_probabilities(batch.history, seen, keep_rate, _DEFAULT_PROMPT_KEEP_FLOOR)
+    accepted = torch.rand(q.numel(), generator=generator, dtype=torch.float64) < q
+    rows = accepted.repeat_interleave(batch.group_size)
+    return rows, torch.where(rows, 1.0 / q.repeat_interleave(batch.group_size), 0.0)
+
+
+@dataclass
+class Draw:
+    """One draw of a design on one batch: the trainer's row weights (HT x prompt weights; 0 on rows not passed),
+    the rows through the passes, the rows generated, and the tokens the passes allocate."""
+
+    weights: torch.Tensor
+    passed: torch.Tensor
+    generated: torch.Tensor
+    prompt_weights: torch.Tensor | None  # 1/q_j on generated rows under prompt pruning, else None
+    tokens: int
+
+
+def completion_probabilities(batch: Batch, keep_rate: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """DPPO's ``pi`` (package keep floor, zero scores never kept) over ``rows`` (default: all), 0 elsewhere."""
+    rows = torch.ones_like(batch.rewards, dtype=torch.bool) if rows is None else rows
+    pi = torch.zeros_like(batch.rewards, dtype=torch.float64)
+    if bool(rows.any()):
+        lengths = batch.completion_tokens[rows]
+        pi[rows], _ = keep_probabilities(batch.scores[rows], keep_rate, _DEFAULT_KEEP_FLOOR,
+                                         zero_score_contributes=False, contributes_nothing=lengths == 0)  # fmt: skip
+    return pi
+
+
+def draw_design(design: str, batch: Batch, generator: torch.Generator, pi: torch.Tensor | None = None) -> Draw:
+    """One draw of ``design`` (see ``DESIGNS``); ``pi``: the keep probabilities of ``systematic``, ``poisson``
+    and ``oracle`` (fixed per batch, so computed once by the caller)."""
+    name, rate = design_parts(design)
+    every = torch.ones_like(batch.rewards, dtype=torch.bool)
+    generated, prompt_weights = every, None
+    if name in ("grpo", "packing"):
+        keep = every
+        weights = keep.double()
+    elif name in ("systematic", "oracle", "poisson"):
+        keep = (poisson_sample if name == "poisson" else systematic_sample)(pi, generator)
+        weights = horvitz_thompson_weights(pi, keep)
+    elif name in ("topk", "zero_variance"):
+        keep = topk_mask(batch.scores, rate) if name == "topk" else zero_variance_mask(batch.rewards, batch.group_size)
+        weights = keep.double()
+    elif name in ("prompt", "dppo+prompt"):
+        generated, prompt_weights = prompt_acceptance(batch, rate, generator)
+        keep, weights = generated, prompt_weights
+        if name == "dppo+prompt":
+            sub = completion_probabilities(batch, rate, generated)
+            keep = systematic_sample(sub, generator)
+            weights = prompt_weights * horvitz_thompson_weights(sub, keep)
+    else:
+        raise ValueError(f"unknown design {design!r}; expected one of {DESIGNS}")
+    tokens = padded_tokens(batch) if name == "grpo" else packed_tokens(batch, keep, generated)
+    return Draw(weights, keep, generated, prompt_weights, tokens)
+
+
+def effective_weights(draw: Draw, batch: Batch, loss_type: str) -> torch.Tensor:
+    """The estimate's weights in units of ``g_n``: the trainer's row weights, except that ``dapo`` under prompt
+    pruning normalizes by the prompt-weighted token count ``Z = sum_generated L_n / q_j`` instead of ``T_b``
+    (a ratio estimator: slightly biased); an empty accepted batch estimates 0."""
+    if loss_type != "dapo" or draw.prompt_weights is None:
+        return draw.weights
+    z = float((draw.prompt_weights * batch.completion_tokens.double()).sum())
+    total = float(batch.completion_tokens.sum())
+    return draw.weights * (total / z) if z > 0 else torch.zeros_like(draw.weights)
+
+
+@dataclass
+class Quadratics:
+    """The quadratic forms of one checkpoint and loss type (g-space), per batch ``b`` of ``N`` rows:
+    ``gram[b] = G_bb``, ``cross[b] = (G (1_b - u))_b``, ``base[b] = ||F_b - mu||^2``, ``full[b] = ||F_b||^2``
+    (``F_b`` the batch's full gradient, ``mu`` the pool mean) and ``population = ||mu||^2``."""
+
+    gram: torch.Tensor  # (B, N, N)
+    cross: torch.Tensor  # (B, N)
+    base: torch.Tensor  # (B,)
+    full: torch.Tensor  # (B,)
+    population: float
+
+    @property
+    def norms(self) -> torch.Tensor:
+        """(B, N): ``||g_n||``."""
+        return torch.diagonal(self.gram, dim1=1, dim2=2).clamp(min=0).sqrt()
+
+
+def batch_quadratics(h: torch.Tensor, coefficients: torch.Tensor, rows_per_batch: int) -> Quadratics:
+    """From the per-row gradients ``h`` (R x P, batches of ``rows_per_batch`` consecutive rows) and ``c`` (R,):
+    the same numbers as the full Gram ``diag(c) h h^T diag(c)`` would give, from its diagonal blocks only."""
+    h, c = h.double(), coefficients.double()
+    num_batches = h.size(0) // rows_per_batch
+    hb, cb = h.view(num_batches, rows_per_batch, -1), c.view(num_batches, rows_per_batch)
+    full_gradients = torch.einsum("bn,bnp->bp", cb, hb)  # F_b
+    mu = full_gradients.mean(0)
+    gram = cb[:, :, None] * (hb @ hb.transpose(1, 2)) * cb[:, None, :]
+    cross = cb * torch.einsum("bnp,bp->bn", hb, full_gradients - mu)
+    base = ((full_gradients - mu) ** 2).sum(1)
+    full = (full_gradients**2).sum(1)
+    return Quadratics(gram, cross, base, full, float(mu @ mu))
+
+
+def squared_errors(weights: torch.Tensor, q: Quadratics, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For weight vectors ``weights`` (S x N) on batch ``b``: ``(||est - mu||^2, ||est - F_b||^2)`` per row of
+    ``weights``, ``est = sum_n w_n g_n``; with ``d = w - 1``: ``base + 2 d.cross + d^T G_bb d`` and ``d^T G_bb d``."""
+    d = weights.double() - 1.0
+    noise = ((d @ q.gram[b]) * d).sum(1)
+    return q.base[b] + 2.0 * (d @ q.cross[b]) + noise, noise
+
+
+def design_probabilities(design: str, batch: Batch, norms: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The fixed keep probabilities of the systematic, poisson and oracle designs on ``batch`` (None for the
+    others). ``oracle@r`` spends the expected tokens of ``systematic@r``; it needs the rows' ``||g_n||``."""
+    name, rate = design_parts(design)
+    if name in ("systematic", "poisson"):
+        return completion_probabilities(batch, rate)
+    if name == "oracle":
+        budget = float((completion_probabilities(batch, rate) * batch.cost).sum())
+        return oracle_probabilities(norms, batch.cost, budget)
+    return None
+
+
+def design_statistics(draws: list[list[Draw]], weights: list[torch.Tensor], q: Quadratics) -> dict:
+    """Per design and loss type: means over batches and draws of the squared errors, kept rows and tokens,
+    and the relative bias (seed-mean error to the batch gradient over the batch gradient's norm; batches with
+    a zero gradient are left out) with the noise level the seeds alone would give it."""
+    err, noise, bias, bias_noise = [], [], [], []
+    for b, w in enumerate(weights):
+        e, n = squared_errors(w, q, b)
+        err.append(e)
+        noise.append(n)
+        if float(q.full[b]) > 0:
+            d = w.mean(0) - 1.0
+            bias.append(math.sqrt(max(float(d @ q.gram[b] @ d), 0.0) / float(q.full[b])))
+            bias_noise.append(math.sqrt(max(float(n.mean()), 0.0) / w.size(0) / float(q.full[b])))
+    kept = [float(d.passed.double().mean()) for row in draws for d in row]
+    mse = float(torch.cat(err).mean())
+    return {
+        "kept_fraction": statistics.mean(kept),
+        "compute": statistics.mean(d.tokens for row in draws for d in row),
+        "mse": mse,
+        "mse_to_batch": float(torch.cat(noise).mean()),
+        "relative_error": math.sqrt(max(mse, 0.0) / q.population) if q.population > 0 else math.nan,
+        "bias": statistics.mean(bias) if bias else 0.0,
+        "bias_noise": statistics.mean(bias_noise) if bias_noise else 0.0,
+    }
+
+
+def evaluate_designs(batches: list[Batch], quadratics: dict, designs, seeds: int, label="") -> list[dict]:
+    """One row per (loss type, design): its statistics over the pool, then its ratios to ``grpo`` and
+    ``oracle@0.5``. Draws use a generator seeded by (design, batch, seed) (oracle: and loss type); the other
+    designs' draws are shared by the loss types."""
+    cache, rows = {}, []
+    for loss_type, q in quadratics.items():
+        for design in designs:
+            oracle = design_parts(design)[0] == "oracle"
+            key = (design, loss_type) if oracle else design
+            if key not in cache:
+                cache[key] = []
+                for b, batch in enumerate(batches):
+                    pi = design_probabilities(design, batch, q.norms[b] if oracle else None)
+                    gens = (torch.Generator().manual_seed(stable_seed(*key, b, s)) for s in range(seeds))
+                    cache[key].append([draw_design(design, batch, g, pi) for g in gens])
+            weights = [torch.stack([effective_weights(d, batch, loss_type) for d in row])
+                       for row, batch in zip(cache[key], batches)]  # fmt: skip
+            stats = design_statistics(cache[key], weights, q)
+            rows.append({"checkpoint": label, "loss_type": loss_type, "design": design,
+                         "keep_rate": design_parts(design)[1], **stats})  # fmt: skip
+    return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """``compute_ratio``, ``mse_ratio``, ``efficiency`` (to ``grpo``) and ``efficiency_to_oracle`` of each row,
+    within its (checkpoint, loss type)."""
+    by = {(r["checkpoint"], r["loss_type"], r["design"]): r for r in rows}
+    for r in rows:
+        grpo = by[r["checkpoint"], r["loss_type"], "grpo"]
+        r["compute_ratio"] = r["compute"] / grpo["compute"]
+        r["mse_ratio"] = r["mse"] / grpo["mse"] if grpo["mse"] > 0 else math.nan
+        cost = r["mse"] * r["compute"]
+        r["efficiency"] = grpo["mse"] * grpo["compute"] / cost if cost > 0 else math.inf
+    for r in rows:
+        oracle = by.get((r["checkpoint"], r["loss_type"], "oracle@0.5"))
+        r["efficiency_to_oracle"] = r["efficiency"] / oracle["efficiency"] if oracle else None
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (loss type, design): the mean over checkpoints of every figure."""
+    keys = ("kept_fraction", "compute_ratio", "mse_ratio", "relative_error", "bias", "bias_noise", "efficiency",
+            "efficiency_to_oracle")  # fmt: skip
+    out = []
+    for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
+        for design in dict.fromkeys(r["design"] for r in rows):
+            group = [r for r in rows if r["loss_type"] == loss_type and r["design"] == design]
+            if group:
+                means = {k: statistics.mean(r[k] for r in group) if group[0][k] is not None else None for k in keys}
+                out.append({"loss_type": loss_type, "design": design, "checkpoints": len(group), **means})
+    return out
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print(f"{'design':<17}{'kept':>6}{'compute':>9}{'rel.err':>9}{'mse':>8}{'bias':>8}{'noise':>8}"
+          f"{'effic.':>8}{'/oracle':>8}")  # fmt: skip
+    print(f"{'':<17}{'':>6}{'/GRPO':>9}{'':>9}{'/GRPO':>8}{'':>8}{'':>8}{'':>8}{'':>8}")
+    for r in rows:
+        to_oracle = r["efficiency_to_oracle"]
+        print(f"{r['design']:<17}{r['kept_fraction']:>6.3f}{r['compute_ratio']:>9.3f}{r['relative_error']:>9.3f}"
+              f"{r['mse_ratio']:>8.3f}{r['bias']:>8.4f}{r['bias_noise']:>8.4f}{r['efficiency']:>8.3f}"
+              f"{to_oracle if to_oracle is not None else math.nan:>8.3f}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- model-dependent
+def build_checkpoints(args, heldout: list[int]) -> list[dict]:
+    """The snapshots at ``args.checkpoints`` supervised steps (sorted), cached: the first from
+    ``warm_start``, each next one by ``supervised_steps`` on the warm start's examples, on top of the previous
+    snapshot (a fresh AdamW each time). A cached snapshot is reused only when built by the same chain."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dppo_trl.countdown import countdown, heldout_accuracy, warm_start, warm_start_starts
+    from dppo_trl.toy import supervised_steps
+
+    size = "" if (args.hidden_size, args.layers) == (128, 2) else f"-h{args.hidden_size}l{args.layers}"
+    examples = [(f"{s}=", countdown(s)) for s in warm_start_starts(seed=args.seed)]
+    chain, infos, previous = [], [], None
+    for steps in sorted(set(args.checkpoints)):
+        chain.append(steps)
+        directory = Path(args.model_cache) / f"sft-{steps}{size}"
+        info_file = directory / "bench_variance_sft.json"
+        info = json.loads(info_file.read_text()) if info_file.exists() else None
+        if info is None or info.get("chain") != chain or info.get("seed") != args.seed:
+            start = time.perf_counter()
+            if previous is None:
+                info = warm_start(
+                    directory,
+                    heldout,
+                    sft_steps=steps,
+                    hidden_size=args.hidden_size,
+                    num_layers=args.layers,
+                    lr=3e-3,
+                    seed=args.seed,
+                )
+            else:
+                model = AutoModelForCausalLM.from_pretrained(previous)
+                tokenizer = AutoTokenizer.from_pretrained(previous)
+                loss = supervised_steps(model, tokenizer, examples, steps - chain[-2], 32, 3e-3, args.seed + steps)
+                model.save_pretrained(directory)
+                tokenizer.save_pretrained(directory)
+                info = {"loss": loss, "heldout_accuracy": heldout_accuracy(model, tokenizer, heldout)}
+            info.update(chain=list(chain), seed=args.seed, seconds=time.perf_counter() - start)
+            info_file.write_text(json.dumps(info, indent=1))
+            print(f"sft-{steps}: built in {info['seconds']:.0f} s, loss {info['loss']:.3f}, greedy held-out "
+                  f"{info['heldout_accuracy']:.3f}", flush=True)  # fmt: skip
+        infos.append({"steps": steps, "model_dir": str(directory), **info})
+        previous = directory
+    return infos
+
+
+@torch.no_grad()
+def generate_groups(model, tokenizer, starts: list[int], group_size: int, copies: int, seed: int):
+    """``copies`` independent groups per start, sampled at temperature 1 in one call (copy-major: all starts'
+    first group, then the second...). Returns per row (prompt ids, completion ids up to and including the
+    first eos, stopping at the first pad), its text and its start."""
+    from dppo_trl.countdown import max_completion_tokens
+
+    row_starts = [s for _ in range(copies) for s in starts for _ in range(group_size)]
+    prompts = [f"{s}=" for s in row_starts]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(seed)
+    out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=None,
+                         max_new_tokens=max_completion_tokens())  # fmt: skip
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    rows = []
+    for prompt, start, completion in zip(prompts, row_starts, out[:, enc["input_ids"].size(1) :].tolist()):
+        ids = []
+        for token in completion:
+            if token == tokenizer.pad_token_id:
+                break
+            ids.append(token)
+            if token in eos:
+                break
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        rows.append((tokenizer.encode(prompt, add_special_tokens=False), ids, text, start))
+    return rows
+
+
+def sample_batch(model, tokenizer, starts: list[int], group_size: int, seed: int) -> tuple[Batch, list]:
+    """One generation batch (rewards, advantages, lengths) and its history groups; returns the batch and its
+    rows (prompt ids, completion ids)."""
+    from dppo_trl.countdown import countdown, countdown_reward
+
+    rows = generate_groups(model, tokenizer, starts, group_size, 2, seed)
+    rewards = torch.tensor(countdown_reward([r[2] for r in rows], answer=[countdown(r[3]) for r in rows]))
+    n = len(starts) * group_size
+    main, history = rewards[:n].double(), rewards[n:].double()
+    batch = Batch(
+        rewards=main,
+        advantages=group_advantages(main, group_size),
+        prompt_tokens=torch.tensor([len(r[0]) for r in rows[:n]]),
+        completion_tokens=torch.tensor([len(r[1]) for r in rows[:n]]),
+        history=group_advantages(history, group_size).abs().view(-1, group_size).mean(1),
+        group_size=group_size,
+    )
+    return batch, [(r[0], r[1]) for r in rows[:n]]
+
+
+def row_gradients(model, rows) -> torch.Tensor:
+    """(R x P) float64: per row, the gradient of ``sum_t log p(completion token t | prefix)`` over its
+    completion tokens, flattened over the (deduplicated, tied) parameters of a float64 copy of ``model``."""
+    model = copy.deepcopy(model).to(torch.float64).eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = torch.empty(len(rows), sum(p.numel() for p in params), dtype=torch.float64)
+    for r, (prompt, completion) in enumerate(rows):
+        ids = torch.tensor([prompt + completion])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        logp = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).sum()
+        out[r] = torch.cat([g.reshape(-1) for g in torch.autograd.grad(logp, params)])
+    return out
+
+
+def checkpoint_pool(info: dict, prompt_batches: list[list[int]], args) -> tuple[list[Batch], torch.Tensor, dict]:
+    """The pool of one checkpoint: its batches, the per-row gradients (R x P) and its description."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(info["model_dir"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(info["model_dir"])
+    start = time.perf_counter()
+    batches, rows = [], []
+    for b, starts in enumerate(prompt_batches):
+        batch, batch_rows = sample_batch(model, tokenizer, starts, args.group_size,
+                                         stable_seed("generate", args.seed, info["steps"], b))  # fmt: skip
+        batches.append(batch)
+        rows += batch_rows
+    generation_s = time.perf_counter() - start
+    start = time.perf_counter()
+    h = row_gradients(model, rows)
+    gradient_s = time.perf_counter() - start
+    lengths = torch.cat([b.completion_tokens for b in batches]).tolist()
+    zero = torch.cat([zero_spread_rows(b.rewards, b.group_size).view(-1, b.group_size)[:, 0] for b in batches])
+    description = {
+        "steps": info["steps"],
+        "sft_loss": info.get("loss"),
+        "heldout_accuracy": info.get("heldout_accuracy"),
+        "rows": h.size(0),
+        "parameters": h.size(1),
+        "zero_variance_share": float(zero.double().mean()),
+        "pool_accuracy": float(torch.cat([b.rewards for b in batches]).mean()),
+        "completion_tokens": {
+            "min": min(lengths),
+            "median": statistics.median(lengths),
+            "mean": statistics.mean(lengths),
+            "max": max(lengths),
+        },  # fmt: skip
+        "generation_s": generation_s,
+        "gradient_s": gradient_s,
+    }
+    return batches, h, description
+
+
+def run_checkpoint(info: dict, prompt_batches: list[list[int]], args) -> tuple[list[dict], dict]:
+    """The result rows and description of one checkpoint (prints its tables)."""
+    batches, h, description = checkpoint_pool(info, prompt_batches, args)
+    c = description["completion_tokens"]
+    print(f"\n[sft-{info['steps']}] zero-variance groups {description['zero_variance_share']:.1%}, completion "
+          f"tokens {c['min']}..{c['max']} (median {c['median']:g}), sampled accuracy "
+          f"{description['pool_accuracy']:.3f}; generation {description['generation_s']:.0f} s, gradients "
+          f"{description['gradient_s']:.0f} s ({h.size(0)} rows x {h.size(1)} params)", flush=True)  # fmt: skip
+    start = time.perf_counter()
+    n = args.prompts * args.group_size
+    quadratics = {lt: batch_quadratics(h, torch.cat([loss_coefficients(lt, b) for b in batches]), n)
+                  for lt in args.loss_types}  # fmt: skip
+    del h
+    rows = evaluate_designs(batches, quadratics, args.designs, args.prune_seeds, label=info["steps"])
+    description["estimator_s"] = time.perf_counter() - start
+    for loss_type in args.loss_types:
+        print_table([r for r in rows if r["loss_type"] == loss_type],
+                    f"sft-{info['steps']}, loss_type={loss_type} ({args.batches} batches x {n} rows, "
+                    f"{args.prune_seeds} prune seeds; estimators {description['estimator_s']:.0f} s)")  # fmt: skip
+    return rows, description
+
+
+def prompt_batches_of(args) -> list[list[int]]:
+    """``args.batches`` batches of ``args.prompts`` starts, drawn without replacement from the training list."""
+    from dppo_trl.countdown import countdown_splits
+
+    train, _ = countdown_splits(train_size=args.train_prompts, seed=0)
+    if args.batches * args.prompts > len(train):
+        raise SystemExit(f"--batches x --prompts = {args.batches * args.prompts} > {len(train)} training prompts")
+    picks = random.Random(args.seed).sample(range(len(train)), args.batches * args.prompts)
+    return [[train[i] for i in picks[k * args.prompts : (k + 1) * args.prompts]] for k in range(args.batches)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoints", nargs="+", type=int, default=[300, 400, 550], help="supervised steps")
+    parser.add_argument("--batches", type=int, default=12, help="generation batches per checkpoint")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per generation batch")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations)")
+    parser.add_argument("--prune-seeds", type=int, default=200, help="draws of every design per batch")
+    parser.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES)
+    parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS)
+    parser.add_argument("--train-prompts", type=int, default=256, help="training list (draws, with repeats)")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-cache", default="outputs/bench-variance")
+    parser.add_argument("--json", default="benchmarks/results/bench_variance.json")
+    args = parser.parse_args(argv)
+    if "grpo" not in args.designs:
+        parser.error("--designs must include grpo: every ratio is to it")
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    from dppo_trl.countdown import countdown_splits
+
+    _, heldout = countdown_splits(train_size=args.train_prompts, seed=0)
+    infos = build_checkpoints(args, heldout)
+    prompt_batches = prompt_batches_of(args)
+    rows, descriptions = [], []
+    for info in infos:
+        checkpoint_rows, description = run_checkpoint(info, prompt_batches, args)
+        rows += checkpoint_rows
+        descriptions.append(description)
+    summary = summarize(rows)
+    for loss_type in args.loss_types:
+        print_table([r for r in summary if r["loss_type"] == loss_type],
+                    f"summary, loss_type={loss_type}: mean over checkpoints {[i['steps'] for i in infos]}")  # fmt: skip
+    elapsed = time.perf_counter() - started
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    saved = {"config": vars(args), "elapsed_s": elapsed, "checkpoints": descriptions, "results": rows,
+             "summary": summary}  # fmt: skip
+    out.write_text(json.dumps(saved, indent=1))
+    print(f"\nwrote {out} ({elapsed:.0f} s in all)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
