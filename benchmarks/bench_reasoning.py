@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -212,9 +213,10 @@ def plot(runs, rows, directory, prefix="bench_reasoning"):
 
 
 def evaluate(model, tokenizer, starts, samples, seed=1234):
-    """Held-out accuracy: sampled (the mean over ``samples`` completions per start at temperature 1, what GRPO
-    optimizes; the main figure) and greedy. The draws use their own seed (the same in every run: common random
-    numbers across methods) and leave the training's random state untouched."""
+    """Held-out accuracy over ``starts`` (draws from the held-out starts under the training law): sampled (the
+    mean over ``samples`` completions per draw at temperature 1, what GRPO optimizes; the main figure) and
+    greedy. The sampling uses its own seed (the same in every run: common random numbers across methods) and
+    leaves the training's random state untouched."""
     from dppo_trl.countdown import heldout_accuracy
 
     with torch.random.fork_rng():
@@ -229,10 +231,12 @@ def prepare_setup(args):
         countdown_reward,
         countdown_splits,
         max_completion_tokens,
+        training_draws,
         warm_start,
     )
 
     train, heldout = countdown_splits(train_size=args.train_prompts, seed=0)
+    heldout_set = training_draws(heldout, args.heldout, random.Random(1))
     model_dir = Path(args.model_cache) / f"warm-start-{args.hidden_size}x{args.layers}-{args.sft_steps}"
     warm = {}
     if not (model_dir / "config.json").exists():
@@ -248,7 +252,7 @@ def prepare_setup(args):
         "warm_start": warm,
         "train_dataset": countdown_dataset(train),
         "reward_funcs": countdown_reward,
-        "evaluate": functools.partial(evaluate, starts=heldout[: args.heldout], samples=args.eval_samples),
+        "evaluate": functools.partial(evaluate, starts=heldout_set, samples=args.eval_samples),
         "eval_every": max(1, round(steps_per_epoch * args.eval_every)),
         "epochs": args.epochs,
         "progress": data_progress,
@@ -275,9 +279,14 @@ def main(argv=None):
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--train-prompts", type=int, default=256, help="training prompts (draws, with repeats)")
-    parser.add_argument("--heldout", type=int, default=None, help="held-out starts evaluated (greedy; default all)")
+    parser.add_argument(
+        "--heldout",
+        type=int,
+        default=256,
+        help="held-out evaluation draws (from the held-out starts, under the training law)",
+    )
     parser.add_argument("--eval-every", type=float, default=0.25, help="epochs of data between evaluations")
-    parser.add_argument("--eval-samples", type=int, default=2, help="sampled completions per held-out start")
+    parser.add_argument("--eval-samples", type=int, default=1, help="sampled completions per held-out draw")
     parser.add_argument("--eval-window", type=int, default=2, help="evaluations in the trailing accuracy mean")
     parser.add_argument("--batch-size", type=int, default=32, help="per_device_train_batch_size (completions)")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=2)

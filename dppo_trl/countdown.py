@@ -32,26 +32,31 @@ def countdown_reward(completions, prompts=None, answer=None, **kwargs) -> list[f
     return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 
+def training_draws(starts: list[int], size: int, rng: random.Random) -> list[int]:
+    """``size`` draws (with repeats) from ``starts`` with probability proportional to ``1 / start``: the task's
+    distribution, under which most chains are short and a few are long."""
+    return rng.choices(starts, weights=[1.0 / s for s in starts], k=size)
+
+
 def countdown_splits(
     train_size: int = 512, heldout_fraction: float = 0.25, seed: int = 0, low: int = SMALLEST_START,
     high: int = LARGEST_START,
 ) -> tuple[list[int], list[int]]:  # fmt: skip
     """(train starts, held-out starts): the starts ``low..high`` split at random into disjoint sets; the
-    training list is ``train_size`` draws (with repeats) from the training starts with probability
-    proportional to ``1 / start``; the held-out list is every held-out start once, in increasing order."""
+    training list is ``train_size`` ``training_draws`` from the training starts; the held-out list is every
+    held-out start once, in increasing order (``training_draws`` of it give an evaluation set of the same law)."""
     rng = random.Random(seed)
     starts = list(range(low, high + 1))
     rng.shuffle(starts)
     cut = max(1, int(len(starts) * heldout_fraction))
     heldout, train = sorted(starts[:cut]), starts[cut:]
-    return rng.choices(train, weights=[1.0 / s for s in train], k=train_size), heldout
+    return training_draws(train, train_size, rng), heldout
 
 
 def warm_start_starts(size: int = 4096, seed: int = 0, low: int = SMALLEST_START, high: int = LARGEST_START):
     """``size`` draws over EVERY start (held-out ones too, as pretraining would have seen them) with probability
     proportional to ``1 / start``: the supervised warm start's examples. Held out means held out from RL."""
-    starts = list(range(low, high + 1))
-    return random.Random(seed).choices(starts, weights=[1.0 / s for s in starts], k=size)
+    return training_draws(list(range(low, high + 1)), size, random.Random(seed))
 
 
 def countdown_dataset(starts: list[int]):
@@ -67,8 +72,8 @@ def max_completion_tokens(high: int = LARGEST_START) -> int:
 
 
 def heldout_accuracy(model, tokenizer, starts: list[int], greedy: bool = True, samples: int = 1) -> float:
-    """Fraction of ``starts`` whose whole chain the model writes exactly, each start counted once (short and long
-    chains weigh alike): greedy, or the mean over ``samples`` completions at temperature 1."""
+    """Fraction of ``starts`` (repeats count as often as they appear) whose whole chain the model writes exactly:
+    greedy, or the mean over ``samples`` completions at temperature 1."""
     from .toy import answers_correct
 
     prompts = [f"{s}=" for s in starts for _ in range(1 if greedy else samples)]
