@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import random
 
+import torch
+
+from .toy import answers_correct, build_tiny_model, build_tokenizer, exact_answer_reward, supervised_steps
+
 STEP = 7
 SMALLEST_START, LARGEST_START = 8, 360
 
@@ -22,14 +26,8 @@ def countdown(start: int) -> str:
     return ",".join(map(str, values)) + f"#{values[-1]}"
 
 
-def final_answer(text: str) -> str | None:
-    """What follows the last ``#`` of a completion (None without one)."""
-    return text.rsplit("#", 1)[1].strip() if "#" in text else None
-
-
-def countdown_reward(completions, prompts=None, answer=None, **kwargs) -> list[float]:
-    """1.0 when the completion is exactly the whole chain (so the final value follows from written steps)."""
-    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+# 1.0 when the completion, stripped, is exactly the whole chain (the `answer` column), else 0.0.
+countdown_reward = exact_answer_reward
 
 
 def training_draws(starts: list[int], size: int, rng: random.Random) -> list[int]:
@@ -74,11 +72,9 @@ def max_completion_tokens(high: int = LARGEST_START) -> int:
 def heldout_accuracy(model, tokenizer, starts: list[int], greedy: bool = True, samples: int = 1) -> float:
     """Fraction of ``starts`` (repeats count as often as they appear) whose whole chain the model writes exactly:
     greedy, or the mean over ``samples`` completions at temperature 1."""
-    from .toy import answers_correct
-
-    prompts = [f"{s}=" for s in starts for _ in range(1 if greedy else samples)]
-    answers = [countdown(int(p[:-1])) for p in prompts]
-    correct = answers_correct(model, tokenizer, prompts, answers, greedy, max_completion_tokens(max(starts)), 128)
+    rows = [s for s in starts for _ in range(1 if greedy else samples)]
+    prompts, answers = [f"{s}=" for s in rows], [countdown(s) for s in rows]
+    correct = answers_correct(model, tokenizer, prompts, answers, greedy, max_completion_tokens(max(rows)), 128)
     return sum(correct) / max(len(correct), 1)
 
 
@@ -86,10 +82,6 @@ def warm_start(directory, heldout_starts: list[int], sft_steps: int = 300, hidde
                num_layers: int = 2, lr: float = 3e-3, seed: int = 0) -> dict:  # fmt: skip
     """A character Qwen2 warm-started with ``sft_steps`` supervised steps (batch 32) on ``warm_start_starts``,
     saved with its tokenizer to ``directory``; returns its last loss and greedy held-out accuracy."""
-    import torch
-
-    from .toy import build_tiny_model, build_tokenizer, supervised_steps
-
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, hidden_size, num_layers, seed, max_positions=max_completion_tokens() + 64)
     examples = [(f"{s}=", countdown(s)) for s in warm_start_starts(seed=seed)]

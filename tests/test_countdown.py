@@ -6,7 +6,6 @@ from dppo_trl.countdown import (
     countdown,
     countdown_reward,
     countdown_splits,
-    final_answer,
     max_completion_tokens,
     warm_start_starts,
 )
@@ -15,7 +14,7 @@ from dppo_trl.countdown import (
 def test_the_chain_counts_down_by_seven_to_the_remainder():
     assert countdown(58) == "58,51,44,37,30,23,16,9,2#2"
     assert countdown(5) == "5#5" and countdown(7) == "7,0#0"
-    assert final_answer(countdown(300)) == str(300 % 7) and final_answer("58,51") is None
+    assert countdown(300).endswith(f"#{300 % 7}") and countdown(300).count(",") == 300 // 7
     assert countdown_reward([" 5#5", "5#4", "12,5#5"], answer=["5#5", "5#5", "12,5#5"]) == [1.0, 0.0, 1.0]
 
 
