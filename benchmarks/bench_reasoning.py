@@ -184,7 +184,7 @@ def plot(runs, rows, directory, prefix="bench_reasoning"):
         share = seed_mean([(list(range(len(r["generations"]))), [g["zero_variance_groups"] for g in r["generations"]])
                            for r in mine])  # fmt: skip
         axes[1].plot(*share, color=colors[method], lw=1.0, alpha=0.8, label=method)
-    axes[0].set(xlabel="wall seconds (evaluation excluded)", ylabel="greedy held-out accuracy",
+    axes[0].set(xlabel="wall seconds (evaluation excluded)", ylabel="held-out accuracy (sampled, temperature 1)",
                 title=f"Held-out accuracy vs wall time (mean of {seeds} seeds)")  # fmt: skip
     axes[1].set(xlabel="generation batch", ylabel="share of groups with zero reward variance",
                 title="Zero-variance groups over training")  # fmt: skip
@@ -299,7 +299,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of a few steps")
     parser.add_argument("--json", default="benchmarks/results/bench_reasoning.json")
     parser.add_argument("--plots", default=None, help="directory for PNG plots (e.g. docs/images)")
+    parser.add_argument("--from-json", default=None, help="train nothing: print the table and plot a saved run")
     args = parser.parse_args(argv)
+    if args.from_json:
+        return replot(Path(args.from_json), args.plots)
     if "grpo" not in args.methods:
         parser.error("--methods must include grpo: every ratio is to GRPO's run of the same seed")
     torch.set_num_threads(1)
@@ -335,6 +338,17 @@ def main(argv=None):
     }
     out.write_text(json.dumps(saved, indent=1))
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s in all)")
+    return rows
+
+
+def replot(summary_path: Path, directory):
+    """The table (and plots, with ``directory``, from the per-run records beside it) of a saved run."""
+    saved = json.loads(summary_path.read_text())
+    rows = saved["results"]
+    print_table(rows, f"{summary_path} ({saved['trainer_args']})")
+    if directory:
+        runs = json.loads((summary_path.parent / saved["runs_file"]).read_text())
+        print(", ".join(plot(runs, rows, directory)))
     return rows
 
 

@@ -174,3 +174,5 @@ def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys
     assert progress[0] == 0 and progress[-1] == 8 and len(progress) >= 3  # 2 epochs x 4 steps, every half epoch
     assert len(saved["plots"]) == 2 and all(Path(p).stat().st_size > 10_000 for p in saved["plots"])
     assert "epoch/GRPO" in capsys.readouterr().out
+    replotted = bench_reasoning.main(["--from-json", str(out), "--plots", str(tmp_path / "again")])
+    assert replotted == saved["results"] and len(list((tmp_path / "again").glob("*.png"))) == 2
