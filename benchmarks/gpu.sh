@@ -27,7 +27,7 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     "$PY" benchmarks/bench_gpu.py --model "$MODEL" --hidden-size 1024 --layers 12 --device cuda \
         --steps 24 --batch-size 64 --steps-per-generation 4 --max-completion-length 256 --json "$OUT" "$@"
     exec "$PY" benchmarks/bench_gpu.py --model "$MODEL" --hidden-size 1024 --layers 12 --device cuda --task countdown \
-        --steps 24 --batch-size 64 --steps-per-generation 4 --gradient-accumulation-steps 2 \
+        --sft-steps 300 --sft-lr 1e-4 --steps 24 --batch-size 64 --steps-per-generation 4 --gradient-accumulation-steps 2 \
         --max-completion-length 256 --json "$REASONING_OUT" "$@"
 else
     export OMP_NUM_THREADS=1

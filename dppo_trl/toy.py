@@ -115,6 +115,7 @@ def supervised_steps(model, tokenizer, examples, steps: int, batch_size: int = 2
     for _ in range(steps):
         batch = rng.sample(examples, min(batch_size, len(examples)))
         enc = tokenizer([p + a + eos for p, a in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(model.device)
         labels = enc["input_ids"].clone()
         labels[enc["attention_mask"] == 0] = -100
         for i, (p, _) in enumerate(batch):
