@@ -66,15 +66,21 @@ from dppo_trl.pruning import (  # noqa: E402
     horvitz_thompson_weights,
     keep_probabilities,
     poisson_sample,
+    stratified_order,
     systematic_sample,
     topk_mask,
     zero_spread_rows,
     zero_variance_mask,
 )
 
-DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5", "topk@0.5",
-           "zero_variance", "prompt@0.5", "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
-UNBIASED = ("systematic", "poisson", "oracle")  # exactly unbiased for every loss type (prompt@: grpo only)
+DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5",
+           "stratified@0.5", "topk@0.5", "zero_variance", "prompt@0.5", "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
+UNBIASED = (
+    "systematic",
+    "poisson",
+    "stratified",
+    "oracle",
+)  # exactly unbiased for every loss type (prompt@: grpo only)
 LOSS_TYPES = ("dapo", "grpo")
 STEPS_PER_GENERATION, PER_DEVICE_ROWS = 4, 16  # DPPO trainer's micro-batching of one generation batch
 
@@ -229,6 +235,11 @@ def draw_design(design: str, batch: Batch, generator: torch.Generator, pi: torch
     elif name in ("systematic", "oracle", "poisson"):
         keep = (poisson_sample if name == "poisson" else systematic_sample)(pi, generator)
         weights = horvitz_thompson_weights(pi, keep)
+    elif name == "stratified":
+        groups = torch.arange(batch.rewards.numel()) // batch.group_size
+        order = stratified_order(batch.advantages, batch.completion_tokens, groups, generator)
+        keep = systematic_sample(pi, generator, order=order)
+        weights = horvitz_thompson_weights(pi, keep)
     elif name in ("topk", "zero_variance"):
         keep = topk_mask(batch.scores, rate) if name == "topk" else zero_variance_mask(batch.rewards, batch.group_size)
         weights = keep.double()
@@ -301,7 +312,7 @@ def design_probabilities(design: str, batch: Batch, norms: torch.Tensor | None =
     """The fixed keep probabilities of the systematic, poisson and oracle designs on ``batch`` (None for the
     others). ``oracle@r`` spends the expected tokens of ``systematic@r``; it needs the rows' ``||g_n||``."""
     name, rate = design_parts(design)
-    if name in ("systematic", "poisson"):
+    if name in ("systematic", "poisson", "stratified"):
         return completion_probabilities(batch, rate)
     if name == "oracle":
         budget = float((completion_probabilities(batch, rate) * batch.cost).sum())

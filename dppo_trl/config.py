@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .pruning import SAMPLING_DESIGNS, SUPPORTED_LOSS_TYPES, UNBIASED_DESIGNS
+from .pruning import SUPPORTED_LOSS_TYPES, get_design, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
 
@@ -54,9 +54,12 @@ class DPPOConfig(GRPOConfig):
         metadata={
             "help": "How the kept rows are drawn. 'systematic': fixed-size probability-proportional-to-size "
             "sampling (unbiased, 1/pi weights, predictable work); 'poisson': independent Bernoulli(pi) "
-            "(unbiased, 1/pi weights); 'topk': CPPO's biased rule, keep the largest |A| with no weights; "
-            "'zero_variance': DAPO-style biased filter, drop groups whose rewards are all equal, no weights.",
-            "choices": list(SAMPLING_DESIGNS),
+            "(unbiased, 1/pi weights); 'stratified': systematic over rows sorted by group, sign of A and "
+            "length, so each group and sign keeps its expected count up to one row (unbiased, 1/pi weights); "
+            "'topk': CPPO's biased rule, keep the largest |A| with no weights; 'zero_variance': DAPO-style biased "
+            "filter, drop groups whose rewards are all equal, no weights. Any name registered with "
+            "`dppo_trl.pruning.register_design` is accepted.",
+            "choices": list(sampling_designs()),
         },
     )
     prune_seed: int | None = field(
@@ -134,10 +137,10 @@ class DPPOConfig(GRPOConfig):
     def _validate_dppo_fields(self) -> None:
         _check_unit_interval("completion_keep_rate", self.completion_keep_rate)
         _check_unit_interval("keep_floor", self.keep_floor)
-        if self.prune_sampling not in SAMPLING_DESIGNS:
-            raise ValueError(
-                f"prune_sampling={self.prune_sampling!r} is invalid: it must be one of {list(SAMPLING_DESIGNS)}."
-            )
+        if not isinstance(self.prune_sampling, str):
+            raise ValueError(f"prune_sampling={self.prune_sampling!r} is invalid: it must be one of "
+                             f"{list(sampling_designs())}.")  # fmt: skip
+        get_design(self.prune_sampling)  # names the field and the registered designs when unknown
         if self.prune_seed is not None and (
             isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
         ):
@@ -184,7 +187,7 @@ class DPPOConfig(GRPOConfig):
                     unused.append(f"{name}={getattr(self, name)!r} is not used while prompt_keep_rate=1.0")
         if self.max_packed_tokens is not None and not self.packing:
             unused.append(f"max_packed_tokens={self.max_packed_tokens!r} is not used with packing=False")
-        deterministic = not self.completion_pruning or self.prune_sampling not in UNBIASED_DESIGNS
+        deterministic = not self.completion_pruning or self.prune_sampling not in unbiased_designs()
         why = "completion_keep_rate=1.0" if not self.completion_pruning else f"prune_sampling={self.prune_sampling!r}"
         if not self.completion_pruning and self.prune_sampling != "systematic":
             unused.append(f"prune_sampling={self.prune_sampling!r} is not used while completion_keep_rate=1.0")

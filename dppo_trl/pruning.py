@@ -3,7 +3,8 @@
 No TRL import here. Every function works on plain 1-D tensors over the rows of ONE generation batch
 (all ranks together), so that every rank, given the same inputs and generator, makes the same decision.
 
-Invariant of the unbiased designs (``systematic``, ``poisson``): row ``n`` is kept with probability exactly
+Sampling designs are registered by name (``register_design``); ``prune_sampling`` picks one. Invariant of the
+unbiased designs (``systematic``, ``poisson``, ``stratified``): row ``n`` is kept with probability exactly
 ``pi[n]``; a kept row carries the weight ``1 / pi[n]``; a row with ``pi[n] == 0`` is never kept and must
 contribute exactly zero to the loss. Then ``E[sum_n keep_n * w_n * l_n] = sum_n l_n`` for any ``l``.
 """
@@ -11,11 +12,10 @@ contribute exactly zero to the loss. Then ``E[sum_n keep_n * w_n * l_n] = sum_n 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-
-SAMPLING_DESIGNS = ("systematic", "poisson", "topk", "zero_variance")
-UNBIASED_DESIGNS = ("systematic", "poisson")
 
 
 def keep_probabilities(
@@ -267,3 +267,103 @@ def vllm_importance_sampling_ratio(
         f"vllm_importance_sampling_mode={mode!r} is invalid: expected one of "
         "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'."
     )
+
+
+@dataclass(frozen=True)
+class PruneProblem:
+    """What a sampling design sees of one generation batch (every rank's rows, in order): the signed advantages
+    (exactly 0 on zero-spread groups), each row's tokens, its group, the aggregated rewards, and the budget."""
+
+    advantages: torch.Tensor
+    costs: torch.Tensor
+    groups: torch.Tensor
+    rewards: torch.Tensor
+    keep_rate: float
+    keep_floor: float
+    zero_score_contributes: bool = False
+    contributes_nothing: torch.Tensor | None = None
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.advantages.detach().to(torch.float64).abs()
+
+    def keep_probabilities(self) -> torch.Tensor:
+        """``keep_probabilities`` of the scores at this budget (float64)."""
+        pi, _ = keep_probabilities(self.scores, self.keep_rate, self.keep_floor, self.zero_score_contributes,
+                                   self.contributes_nothing)  # fmt: skip
+        return pi
+
+
+Design = Callable[[PruneProblem, torch.Generator], tuple[torch.Tensor, "torch.Tensor | None"]]
+_DESIGNS: dict[str, tuple[Design, bool]] = {}
+
+
+def register_design(name: str, unbiased: bool):
+    """Register ``fn(problem, generator) -> (keep, pi)`` as the sampling design ``name``. An unbiased design keeps
+    row ``n`` with probability exactly ``pi[n]`` (its rows then carry ``1 / pi``); a biased one returns
+    ``pi=None`` and its kept rows carry weight 1."""
+
+    def decorate(fn: Design) -> Design:
+        _DESIGNS[name] = (fn, unbiased)
+        return fn
+
+    return decorate
+
+
+def sampling_designs() -> tuple[str, ...]:
+    return tuple(_DESIGNS)
+
+
+def unbiased_designs() -> tuple[str, ...]:
+    return tuple(name for name, (_, unbiased) in _DESIGNS.items() if unbiased)
+
+
+def get_design(name: str) -> Design:
+    if name not in _DESIGNS:
+        raise ValueError(f"prune_sampling={name!r} is invalid: it must be one of {list(_DESIGNS)}.")
+    return _DESIGNS[name][0]
+
+
+@register_design("systematic", unbiased=True)
+def _systematic(problem: PruneProblem, generator: torch.Generator):
+    pi = problem.keep_probabilities()
+    return systematic_sample(pi, generator), pi
+
+
+@register_design("poisson", unbiased=True)
+def _poisson(problem: PruneProblem, generator: torch.Generator):
+    pi = problem.keep_probabilities()
+    return poisson_sample(pi, generator), pi
+
+
+def stratified_order(advantages: torch.Tensor, costs: torch.Tensor, groups: torch.Tensor,
+                     generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """Rows sorted by group (the groups in a random order), then by the sign of the advantage (positive first),
+    then by length (longest first): consecutive intervals of ``stratified``'s systematic pass."""
+    group_ids = torch.unique(groups)
+    rank = torch.empty(int(group_ids.max()) + 1, dtype=torch.long)
+    rank[group_ids] = torch.randperm(group_ids.numel(), generator=generator)
+    sign = torch.sign(advantages.detach()).tolist()
+    keys = [(int(rank[g]), -sign[n], -float(c), n) for n, (g, c) in enumerate(zip(groups.tolist(), costs.tolist()))]
+    return torch.tensor([key[-1] for key in sorted(keys)], dtype=torch.long)
+
+
+@register_design("stratified", unbiased=True)
+def _stratified(problem: PruneProblem, generator: torch.Generator):
+    """Systematic sampling over ``stratified_order``: row ``n`` is kept with probability exactly ``pi[n]`` (a
+    random start over any fixed order), and each group, and each sign within it, keeps the sum of its ``pi``
+    rounded down or up (its rows are consecutive intervals)."""
+    pi = problem.keep_probabilities()
+    order = stratified_order(problem.advantages.to(torch.float64), problem.costs, problem.groups, generator)
+    return systematic_sample(pi, generator, order=order), pi
+
+
+@register_design("topk", unbiased=False)
+def _topk(problem: PruneProblem, generator: torch.Generator):
+    return topk_mask(problem.scores, problem.keep_rate), None
+
+
+@register_design("zero_variance", unbiased=False)
+def _zero_variance(problem: PruneProblem, generator: torch.Generator):
+    group_size = problem.rewards.numel() // max(int(torch.unique(problem.groups).numel()), 1)
+    return zero_variance_mask(problem.rewards, group_size), None

@@ -54,20 +54,17 @@ from .packing import (
 from .prompt_hooks import PromptPruningHooks
 from .pruning import (
     SEQUENCE_MEAN_LOSS_TYPES,
+    PruneProblem,
     adaptive_entropy_coef,
     effective_sample_size,
     full_batch_normalizer,
+    get_design,
     horvitz_thompson_weights,
-    keep_probabilities,
     microbatch_sizes,
-    poisson_sample,
     prompt_weighted_token_count,
-    systematic_sample,
-    topk_mask,
     trl_microbatch_normalizer,
     vllm_importance_sampling_ratio,
     zero_spread_rows,
-    zero_variance_mask,
 )
 
 
@@ -390,22 +387,24 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         self._gather_row_tokens(output)
         lengths = self._row_tokens[:, :2].sum(1)
         loss_tokens = self._row_tokens[:, 2]
-        design, rate = self.args.prune_sampling, self.args.completion_keep_rate
         pi = None
         if not self.args.completion_pruning:  # packing only: every row, weight 1
             keep = torch.ones_like(scores, dtype=torch.bool)
-        elif design == "topk":
-            keep = topk_mask(scores, rate)
-        elif design == "zero_variance":
-            keep = zero_variance_mask(self._aggregated_rewards(), self.num_generations)
         else:
             # A row with A == 0 contributes exactly zero unless a term without A (KL, entropy bonus) is on; a row
             # without loss tokens (e.g. masked as truncated) contributes nothing at all.
-            without_a = self.beta != 0.0 or self._entropy_bonus_enabled
-            pi, _ = keep_probabilities(scores, rate, self.args.keep_floor, zero_score_contributes=without_a,
-                                       contributes_nothing=loss_tokens == 0)  # fmt: skip
-            sample = systematic_sample if design == "systematic" else poisson_sample
-            keep = sample(pi, torch.Generator().manual_seed(self._prune_seed()))
+            problem = PruneProblem(
+                advantages=scores,  # signed where TRL's advantages are one per row
+                costs=lengths,
+                groups=torch.arange(scores.numel()) // self.num_generations,
+                rewards=self._aggregated_rewards(),
+                keep_rate=self.args.completion_keep_rate,
+                keep_floor=self.args.keep_floor,
+                zero_score_contributes=self.beta != 0.0 or self._entropy_bonus_enabled,
+                contributes_nothing=loss_tokens == 0,
+            )
+            generator = torch.Generator().manual_seed(self._prune_seed())
+            keep, pi = get_design(self.args.prune_sampling)(problem, generator)
         weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
         self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
         world = self.accelerator.num_processes

@@ -139,9 +139,9 @@ def test_bench_variance_runs_every_design_and_loss_type(tmp_path, monkeypatch, c
         assert grpo["mse"] > 0 and grpo["efficiency"] == 1.0 and grpo["compute_ratio"] == 1.0
         assert packing["mse"] == grpo["mse"] and packing["compute"] <= grpo["compute"]
         assert by[lt, "oracle@0.5"]["efficiency_to_oracle"] == 1.0
-        for design in ("systematic@0.5", "poisson@0.5", "dppo+prompt@0.5"):
+        for design in ("systematic@0.5", "poisson@0.5", "stratified@0.5", "dppo+prompt@0.5"):
             assert by[lt, design]["kept_fraction"] <= 0.6, design
-        for design in ("systematic@0.75", "systematic@0.5", "poisson@0.5", "oracle@0.5"):
+        for design in ("systematic@0.75", "systematic@0.5", "poisson@0.5", "stratified@0.5", "oracle@0.5"):
             assert by[lt, design]["mse_to_batch"] > 0 and by[lt, design]["mse"] >= by[lt, design]["mse_to_batch"]
     assert by["dapo", "zero_variance"]["mse_to_batch"] <= 1e-20 * by["dapo", "grpo"]["mse"]
     saved = json.loads(out.read_text())

@@ -9,16 +9,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_unbiased import LOSS_TYPES
 
+from dppo_trl import pruning
 from dppo_trl.pruning import (
+    PruneProblem,
     effective_sample_size,
     full_batch_normalizer,
+    get_design,
     horvitz_thompson_weights,
     keep_probabilities,
     microbatch_sizes,
-    poisson_sample,
+    sampling_designs,
+    stratified_order,
     systematic_sample,
     topk_mask,
     trl_microbatch_normalizer,
+    unbiased_designs,
     zero_variance_mask,
 )
 
@@ -101,18 +106,39 @@ def _chi_square_ok(counts, expected, dof):
     return stat < q, stat, q
 
 
-@pytest.mark.parametrize("design", ["systematic", "poisson"])
+def signed_problem(keep_rate=0.4, group_size=4):
+    """Three groups of 4 with signed advantages (one zero-spread group) and mixed lengths."""
+    a = torch.tensor([0.1, -0.2, 0.5, -1.0, 1.5, -2.0, 3.0, -0.05, 0.0, 0.0, 0.0, 0.0]).double()
+    costs = torch.tensor([30, 5, 12, 80, 7, 7, 100, 3, 40, 9, 15, 60])
+    rewards = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 1]).double()
+    return PruneProblem(a, costs, torch.arange(12) // group_size, rewards, keep_rate, keep_floor=0.05)
+
+
+def strata_of(problem):
+    """Row masks of each group and of each (group, sign of A) within it."""
+    groups, sign = problem.groups, torch.sign(problem.advantages)
+    masks = [groups == g for g in torch.unique(groups)]
+    return masks + [(groups == g) & (sign == s) for g in torch.unique(groups) for s in (-1, 1)]
+
+
+@pytest.mark.parametrize("design", ["systematic", "poisson", "stratified"])
 def test_inclusion_frequencies_match_pi(design):
-    s = torch.tensor([0.1, 0.2, 0.5, 1.0, 1.5, 2.0, 3.0, 0.05, 0.7, 4.0, 0.0, 0.3])
+    problem = signed_problem()
+    s = problem.scores
     pi, _ = keep_probabilities(s, 0.4, 0.05, zero_score_contributes=False)
     g = torch.Generator().manual_seed(123)
     draws = 20000
     counts = torch.zeros(len(s), dtype=torch.float64)
     sizes = set()
     for _ in range(draws):
-        keep = systematic_sample(pi, g) if design == "systematic" else poisson_sample(pi, g)
+        keep, design_pi = get_design(design)(problem, g)
         counts += keep.double()
         sizes.add(int(keep.sum()))
+        if design == "stratified":  # every group and every sign within it: its expected count, up to one row
+            for mask in strata_of(problem):
+                expected = float(pi[mask].sum())
+                assert math.floor(expected + 1e-9) <= int(keep[mask].sum()) <= math.ceil(expected - 1e-9)
+    assert torch.equal(design_pi, pi)
     assert counts[s == 0].sum() == 0
     live = pi > 0
     # Per-row binomial chi-square: (kept, dropped) counts against (pi, 1 - pi).
@@ -123,8 +149,53 @@ def test_inclusion_frequencies_match_pi(design):
     nonzero = expected > 0
     ok, stat, q = _chi_square_ok(cells[nonzero], expected[nonzero], dof=int(live.sum()))
     assert ok, f"chi-square {stat:.1f} above the 99.9% quantile {q:.1f}"
-    if design == "systematic":
+    if design != "poisson":
         assert sizes <= {math.floor(float(pi.sum())), math.ceil(float(pi.sum()))}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stratified_is_exact_over_every_start_point_of_every_group_order(seed):
+    """For ANY group order the design draws, the start point alone makes each inclusion probability exactly pi;
+    every outcome keeps each group's and each sign's expected count up to one row."""
+    problem = signed_problem(keep_rate=0.3 + 0.1 * seed)
+    pi = problem.keep_probabilities()
+    order = stratified_order(problem.advantages, problem.costs, problem.groups, torch.Generator().manual_seed(seed))
+    groups = problem.groups[order]
+    assert int((groups[1:] != groups[:-1]).sum()) == 2  # three groups, each one run of consecutive rows
+    inclusion, total = torch.zeros(12, dtype=torch.float64), 0.0
+    for prob, keep in _systematic_outcomes(pi, order):
+        inclusion += prob * keep.double()
+        total += prob
+        if prob < 1e-12:  # a start point on a breakpoint (rounding of cumsum): probability zero
+            continue
+        for mask in strata_of(problem):
+            expected = float(pi[mask].sum())
+            assert math.floor(expected + 1e-9) <= int(keep[mask].sum()) <= math.ceil(expected - 1e-9)
+    assert total == pytest.approx(1.0) and inclusion.tolist() == pytest.approx(pi.tolist(), abs=1e-12)
+    for g in torch.unique(groups):  # within a group: positive advantages first, then by length, longest first
+        rows = order[groups == g]
+        keys = [(-int(torch.sign(problem.advantages[r])), -int(problem.costs[r])) for r in rows]
+        assert keys == sorted(keys)
+
+
+def test_designs_are_a_registry_with_a_clear_error(monkeypatch):
+    assert {"systematic", "poisson", "stratified", "topk", "zero_variance"} <= set(sampling_designs())
+    assert set(unbiased_designs()) == {"systematic", "poisson", "stratified"}
+    with pytest.raises(ValueError, match=r"prune_sampling='cube'.*'systematic', 'poisson', 'stratified'"):
+        get_design("cube")
+    problem = signed_problem()
+    keep, pi = get_design("zero_variance")(problem, torch.Generator())
+    assert pi is None and keep.tolist() == [True] * 8 + [False] * 4
+    keep, pi = get_design("topk")(problem, torch.Generator())
+    assert pi is None and torch.equal(keep, topk_mask(problem.scores, 0.4))
+    # a new design is one function: DPPOConfig accepts its name, the trainer would call it
+    from dppo_trl import DPPOConfig
+
+    monkeypatch.setitem(
+        pruning._DESIGNS, "everything", (lambda p, g: (torch.ones_like(p.scores, dtype=torch.bool), None), False)
+    )
+    assert DPPOConfig(output_dir="/tmp/x", bf16=False, prune_sampling="everything").prune_sampling == "everything"
+    assert "everything" not in unbiased_designs()
 
 
 def test_exact_unbiasedness_of_horvitz_thompson_over_all_poisson_masks():

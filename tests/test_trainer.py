@@ -9,6 +9,7 @@ from conftest import coarse_reward, cpu_config, random_reward
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl.pruning import keep_probabilities
 
 
 class RecordingTrainer(DPPOTrainer):
@@ -313,6 +314,21 @@ def test_zero_variance_drops_exactly_the_equal_reward_groups(tmp_path, tiny_mode
         assert torch.all(r["dppo_weight"][r["dppo_keep"]] == 1.0)
         seen_dropped |= bool((~varied).any())
     assert seen_dropped
+
+
+def test_stratified_keeps_each_groups_and_signs_expected_count(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3,
+                    per_device_train_batch_size=16, prune_sampling="stratified", completion_keep_rate=0.5)  # fmt: skip
+    for r in trainer.records:
+        keep, weight, adv = r["dppo_keep"], r["dppo_weight"].double(), r["advantages"]
+        pi = torch.where(keep, 1.0 / weight.clamp(min=1e-12), 0.0)
+        expected_pi, _ = keep_probabilities(adv, 0.5, trainer.args.keep_floor, zero_score_contributes=False)
+        torch.testing.assert_close(pi[keep], expected_pi[keep], rtol=1e-6, atol=0)  # weights are 1 / pi
+        groups = torch.arange(keep.numel()) // 4
+        for g in range(int(groups.max()) + 1):
+            for rows in (groups == g, (groups == g) & (adv > 0), (groups == g) & (adv < 0)):
+                total = float(expected_pi[rows].sum())
+                assert math.floor(total + 1e-6) <= int(keep[rows].sum()) <= math.ceil(total - 1e-6)
 
 
 def test_rows_without_loss_tokens_are_never_kept(tmp_path, tiny_model_dir, train_dataset):

@@ -1,4 +1,5 @@
-"""Exact oracle (DESIGN.md section 6): over every Poisson mask and every systematic start point, the expected
+"""Exact oracle (DESIGN.md section 6): over every Poisson mask and every systematic start point (random and
+stratified orders), the expected
 DPPO loss and gradient equal the full-batch loss and gradient, for every TRL loss_type, beta 0 and > 0,
 with clipping active, gradient_accumulation_steps equal to and below steps_per_generation. The oracle runs in
 float64 (model, log-probs, advantages, weights), so "equal" means to float64 rounding, far from any float32
@@ -12,7 +13,7 @@ from conftest import cpu_config, random_reward
 from trl import GRPOTrainer
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.pruning import horvitz_thompson_weights, keep_probabilities, systematic_sample
+from dppo_trl.pruning import horvitz_thompson_weights, keep_probabilities, stratified_order, systematic_sample
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"]
 N_ROWS = 6
@@ -159,6 +160,13 @@ def test_expected_loss_and_gradient_equal_the_full_batch(
     assert_exact(grad, full_grad)
 
     order = torch.randperm(N_ROWS, generator=torch.Generator().manual_seed(1))
+    loss, grad = expectation(trainer, batch, systematic_outcomes(pi, order))
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
+
+    # `stratified`: systematic over rows sorted by group, sign of A and length, the groups in a random order
+    lengths, groups = batch["completion_mask"].sum(1), torch.arange(N_ROWS) // trainer.num_generations
+    order = stratified_order(batch["advantages"], lengths, groups, torch.Generator().manual_seed(2))
     loss, grad = expectation(trainer, batch, systematic_outcomes(pi, order))
     assert_exact(loss, full_loss)
     assert_exact(grad, full_grad)
