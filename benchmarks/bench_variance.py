@@ -73,14 +73,12 @@ from dppo_trl.pruning import (  # noqa: E402
     zero_variance_mask,
 )
 
+# tokens[+g<gamma>]@r: systematic with keep_budget="tokens" (r of the batch's tokens; 0.4 spends about what
+# systematic@0.5 does) and score_length_exponent gamma (scores |A| L^gamma)
 DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5",
-           "stratified@0.5", "topk@0.5", "zero_variance", "prompt@0.5", "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
-UNBIASED = (
-    "systematic",
-    "poisson",
-    "stratified",
-    "oracle",
-)  # exactly unbiased for every loss type (prompt@: grpo only)
+           "stratified@0.5", "tokens@0.4", "tokens+g0.25@0.4", "tokens+g-0.5@0.4", "topk@0.5", "zero_variance",
+           "prompt@0.5", "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
+UNBIASED = ("systematic", "poisson", "stratified", "oracle", "tokens")  # for every loss type (prompt@: grpo only)
 LOSS_TYPES = ("dapo", "grpo")
 STEPS_PER_GENERATION, PER_DEVICE_ROWS = 4, 16  # DPPO trainer's micro-batching of one generation batch
 
@@ -212,15 +210,26 @@ class Draw:
     tokens: int
 
 
-def completion_probabilities(batch: Batch, keep_rate: float, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """DPPO's ``pi`` (package keep floor, zero scores never kept) over ``rows`` (default: all), 0 elsewhere."""
+def completion_probabilities(
+    batch: Batch, keep_rate: float, rows: torch.Tensor | None = None, tokens: bool = False, gamma: float = 0.0
+) -> torch.Tensor:
+    """DPPO's ``pi`` (package keep floor, zero scores never kept) over ``rows`` (default: all), 0 elsewhere;
+    ``tokens``: ``keep_budget="tokens"``; ``gamma``: ``score_length_exponent`` (scores ``|A| L^gamma``)."""
     rows = torch.ones_like(batch.rewards, dtype=torch.bool) if rows is None else rows
     pi = torch.zeros_like(batch.rewards, dtype=torch.float64)
     if bool(rows.any()):
-        lengths = batch.completion_tokens[rows]
-        pi[rows], _ = keep_probabilities(batch.scores[rows], keep_rate, _DEFAULT_KEEP_FLOOR,
-                                         zero_score_contributes=False, contributes_nothing=lengths == 0)  # fmt: skip
+        lengths, cost = batch.completion_tokens[rows], batch.cost[rows]
+        scores = batch.scores[rows] * (cost**gamma if gamma else 1.0)
+        pi[rows], _ = keep_probabilities(scores, keep_rate, _DEFAULT_KEEP_FLOOR, zero_score_contributes=False,
+                                         contributes_nothing=lengths == 0, costs=cost if tokens else None)  # fmt: skip
     return pi
+
+
+def token_budget_gamma(name: str) -> float | None:
+    """``"tokens"`` -> 0.0, ``"tokens+g0.25"`` -> 0.25 (systematic under a token budget); None for other names."""
+    if not name.startswith("tokens"):
+        return None
+    return float(name.partition("+g")[2] or 0.0)
 
 
 def draw_design(design: str, batch: Batch, generator: torch.Generator, pi: torch.Tensor | None = None) -> Draw:
@@ -232,7 +241,7 @@ def draw_design(design: str, batch: Batch, generator: torch.Generator, pi: torch
     if name in ("grpo", "packing"):
         keep = every
         weights = keep.double()
-    elif name in ("systematic", "oracle", "poisson"):
+    elif name in ("systematic", "oracle", "poisson") or token_budget_gamma(name) is not None:
         keep = (poisson_sample if name == "poisson" else systematic_sample)(pi, generator)
         weights = horvitz_thompson_weights(pi, keep)
     elif name == "stratified":
@@ -314,6 +323,8 @@ def design_probabilities(design: str, batch: Batch, norms: torch.Tensor | None =
     name, rate = design_parts(design)
     if name in ("systematic", "poisson", "stratified"):
         return completion_probabilities(batch, rate)
+    if token_budget_gamma(name) is not None:
+        return completion_probabilities(batch, rate, tokens=True, gamma=token_budget_gamma(name))
     if name == "oracle":
         budget = float((completion_probabilities(batch, rate) * batch.cost).sum())
         return oracle_probabilities(norms, batch.cost, budget)

@@ -16,6 +16,7 @@ _DEFAULT_KEEP_RATE = 0.5
 _DEFAULT_KEEP_FLOOR = 0.05
 _DEFAULT_PROMPT_KEEP_FLOOR = 0.1
 _DEFAULT_PROMPT_HISTORY_DECAY = 0.5
+KEEP_BUDGETS = ("rows", "tokens")
 
 
 def _check_unit_interval(name: str, value) -> None:
@@ -60,6 +61,23 @@ class DPPOConfig(GRPOConfig):
             "filter, drop groups whose rewards are all equal, no weights. Any name registered with "
             "`dppo_trl.pruning.register_design` is accepted.",
             "choices": list(sampling_designs()),
+        },
+    )
+    keep_budget: str = field(
+        default="rows",
+        metadata={
+            "help": "What `completion_keep_rate` is a fraction of, for the unbiased designs: 'rows' (the generation "
+            "batch's completions: sum(pi) = rate x N) or 'tokens' (its prompt + completion tokens, what the "
+            "log-prob and loss passes cost: sum(pi x L) = rate x sum(L)).",
+            "choices": list(KEEP_BUDGETS),
+        },
+    )
+    score_length_exponent: float = field(
+        default=0.0,
+        metadata={
+            "help": "gamma of the compute-aware keep scores |A| x L^gamma (L: the row's prompt + completion "
+            "tokens), in [-2, 2]; 0 scores |A|. Under a token budget the variance-optimal keep probabilities are "
+            "proportional to ||g|| / sqrt(L). Used by the unbiased designs and 'topk'.",
         },
     )
     prune_seed: int | None = field(
@@ -141,6 +159,11 @@ class DPPOConfig(GRPOConfig):
             raise ValueError(f"prune_sampling={self.prune_sampling!r} is invalid: it must be one of "
                              f"{list(sampling_designs())}.")  # fmt: skip
         get_design(self.prune_sampling)  # names the field and the registered designs when unknown
+        if self.keep_budget not in KEEP_BUDGETS:
+            raise ValueError(f"keep_budget={self.keep_budget!r} is invalid: it must be one of {list(KEEP_BUDGETS)}.")
+        gamma = self.score_length_exponent
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not -2.0 <= gamma <= 2.0:
+            raise ValueError(f"score_length_exponent={gamma!r} is invalid: it must be a number in [-2, 2].")
         if self.prune_seed is not None and (
             isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
         ):
@@ -193,6 +216,12 @@ class DPPOConfig(GRPOConfig):
             unused.append(f"prune_sampling={self.prune_sampling!r} is not used while completion_keep_rate=1.0")
         if deterministic and self.keep_floor != _DEFAULT_KEEP_FLOOR:
             unused.append(f"keep_floor={self.keep_floor!r} is not used with {why}")
+        if deterministic and self.keep_budget != "rows":
+            unused.append(f"keep_budget={self.keep_budget!r} is not used with {why}")
+        if self.score_length_exponent != 0.0 and (
+            not self.completion_pruning or self.prune_sampling == "zero_variance"
+        ):
+            unused.append(f"score_length_exponent={self.score_length_exponent!r} is not used with {why}")
         if deterministic and self.prune_seed is not None and not self.prompt_pruning:
             unused.append(f"prune_seed={self.prune_seed!r} is not used with {why} and prompt_keep_rate=1.0")
         if self.prune_sampling == "zero_variance" and self.completion_keep_rate not in (_DEFAULT_KEEP_RATE, 1.0):

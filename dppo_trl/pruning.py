@@ -24,8 +24,10 @@ def keep_probabilities(
     keep_floor: float,
     zero_score_contributes: bool,
     contributes_nothing: torch.Tensor | None = None,
+    costs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """Keep probabilities ``pi = clip(score / tau, keep_floor, 1)`` with ``sum(pi) == keep_rate * N``.
+    """Keep probabilities ``pi = clip(score / tau, keep_floor, 1)`` with ``sum(pi) == keep_rate * N``; with
+    ``costs`` (e.g. each row's tokens) the budget is in cost instead: ``sum(pi * cost) == keep_rate * sum(cost)``.
 
     Rows with ``score == 0`` get ``pi = 0`` unless ``zero_score_contributes`` (then they count like any row,
     with ``pi = keep_floor``). Rows flagged in ``contributes_nothing`` (e.g. no loss token) always get
@@ -44,25 +46,26 @@ def keep_probabilities(
     num_eligible = int(eligible.sum())
     if num_eligible == 0:
         return pi, 0.0
-    budget = keep_rate * scores.numel()
-    s = scores[eligible]
-    if budget >= num_eligible:
+    cost = torch.ones_like(scores) if costs is None else costs.detach().to(torch.float64)
+    budget = keep_rate * float(cost.sum())
+    s, c = scores[eligible], cost[eligible]
+    if budget >= float(c.sum()):
         pi[eligible] = 1.0
         return pi, 0.0
-    if keep_floor * num_eligible >= budget:
+    if keep_floor * float(c.sum()) >= budget:
         pi[eligible] = keep_floor
         return pi, math.inf
     positive = s > 0
-    num_zero = num_eligible - int(positive.sum())
-    if int(positive.sum()) + keep_floor * num_zero <= budget:
+    cost_positive, cost_zero = float(c[positive].sum()), float(c[~positive].sum())
+    if cost_positive + keep_floor * cost_zero <= budget:
         # Even tau -> 0 leaves the budget unmet: keep every positive row, raise the eligible zero-score rows.
         pi_eligible = torch.ones_like(s)
-        pi_eligible[~positive] = min(1.0, (budget - float(positive.sum())) / num_zero)
+        pi_eligible[~positive] = min(1.0, (budget - cost_positive) / cost_zero)
         pi[eligible] = pi_eligible
         return pi, 0.0
 
     def total(tau: float) -> float:
-        return float(torch.clamp(s / tau, min=keep_floor, max=1.0).sum())
+        return float((c * torch.clamp(s / tau, min=keep_floor, max=1.0)).sum())
 
     # total(tau) is continuous and non-increasing: total(lo) >= budget >= total(hi).
     lo, hi = float(s[s > 0].min()) * 1e-3, float(s.max()) / keep_floor
@@ -78,9 +81,9 @@ def keep_probabilities(
     raw = s / hi
     at_one, at_floor = raw >= 1.0, raw <= keep_floor
     middle = ~(at_one | at_floor)
-    rest = budget - float(at_one.sum()) - keep_floor * float(at_floor.sum())
+    rest = budget - float(c[at_one].sum()) - keep_floor * float(c[at_floor].sum())
     if middle.any() and rest > 0:
-        tau = float(s[middle].sum()) / rest
+        tau = float((c * s)[middle].sum()) / rest
         # Only accept the exact solution when it leaves the clipped sets unchanged.
         exact = s / tau
         if bool(((exact >= 1.0) == at_one).all() and ((exact <= keep_floor) == at_floor).all()):
@@ -277,20 +280,25 @@ class PruneProblem:
     advantages: torch.Tensor
     costs: torch.Tensor
     groups: torch.Tensor
-    rewards: torch.Tensor
+    rewards: torch.Tensor | None  # None where no rewards were computed (a batch scored outside training)
     keep_rate: float
     keep_floor: float
     zero_score_contributes: bool = False
     contributes_nothing: torch.Tensor | None = None
+    budget_in_tokens: bool = False  # keep_rate is a fraction of the batch's tokens (costs), not of its rows
+    length_exponent: float = 0.0  # scores |A| * cost ** length_exponent
 
     @property
     def scores(self) -> torch.Tensor:
-        return self.advantages.detach().to(torch.float64).abs()
+        scores = self.advantages.detach().to(torch.float64).abs()
+        if self.length_exponent != 0.0:
+            scores = scores * self.costs.to(torch.float64).clamp(min=1.0) ** self.length_exponent
+        return scores
 
     def keep_probabilities(self) -> torch.Tensor:
         """``keep_probabilities`` of the scores at this budget (float64)."""
         pi, _ = keep_probabilities(self.scores, self.keep_rate, self.keep_floor, self.zero_score_contributes,
-                                   self.contributes_nothing)  # fmt: skip
+                                   self.contributes_nothing, self.costs if self.budget_in_tokens else None)  # fmt: skip
         return pi
 
 
@@ -365,5 +373,7 @@ def _topk(problem: PruneProblem, generator: torch.Generator):
 
 @register_design("zero_variance", unbiased=False)
 def _zero_variance(problem: PruneProblem, generator: torch.Generator):
+    if problem.rewards is None:
+        raise ValueError("prune_sampling='zero_variance' needs the generation batch's rewards")
     group_size = problem.rewards.numel() // max(int(torch.unique(problem.groups).numel()), 1)
     return zero_variance_mask(problem.rewards, group_size), None

@@ -397,11 +397,13 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
                 advantages=scores,  # signed where TRL's advantages are one per row
                 costs=lengths,
                 groups=torch.arange(scores.numel()) // self.num_generations,
-                rewards=self._aggregated_rewards(),
+                rewards=None if self._last_rewards_per_func is None else self._aggregated_rewards(),
                 keep_rate=self.args.completion_keep_rate,
                 keep_floor=self.args.keep_floor,
                 zero_score_contributes=self.beta != 0.0 or self._entropy_bonus_enabled,
                 contributes_nothing=loss_tokens == 0,
+                budget_in_tokens=self.args.keep_budget == "tokens",
+                length_exponent=float(self.args.score_length_exponent),
             )
             generator = torch.Generator().manual_seed(self._prune_seed())
             keep, pi = get_design(self.args.prune_sampling)(problem, generator)

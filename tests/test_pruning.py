@@ -1,5 +1,6 @@
 """The pure pruning math: keep probabilities, sampling designs, weights, normalizers."""
 
+import dataclasses
 import itertools
 import math
 
@@ -269,3 +270,31 @@ def test_microbatch_sizes():
     assert microbatch_sizes([1], 3) == [1, 1, 1]
     assert microbatch_sizes([0], 2) == [1, 1]
     assert microbatch_sizes([7, 2], 3) == [3, 2, 2]
+
+
+@pytest.mark.parametrize("rate,floor", [(0.5, 0.05), (0.3, 0.1), (0.8, 0.05), (0.02, 0.05)])
+def test_a_token_budget_spends_its_fraction_of_the_tokens(rate, floor):
+    g = torch.Generator().manual_seed(int(rate * 100))
+    s = torch.rand(24, generator=g, dtype=torch.float64) * torch.randint(0, 2, (24,), generator=g)
+    costs = torch.randint(5, 200, (24,), generator=g).double()
+    pi, tau = keep_probabilities(s, rate, floor, zero_score_contributes=False, costs=costs)
+    live = s > 0
+    assert pi[~live].abs().sum() == 0 and float(pi.max()) <= 1.0
+    if floor * float(costs[live].sum()) < rate * float(costs.sum()) < float(costs[live].sum()):
+        assert float((pi * costs).sum()) == pytest.approx(rate * float(costs.sum()), rel=1e-12)
+        middle = live & (pi > floor) & (pi < 1)
+        assert pi[middle].tolist() == pytest.approx((s[middle] / tau).tolist(), rel=1e-12)
+    # unit costs are the row budget, bit for bit
+    rows, _ = keep_probabilities(s, rate, floor, zero_score_contributes=False)
+    assert torch.equal(keep_probabilities(s, rate, floor, False, costs=torch.ones(24, dtype=torch.float64))[0], rows)
+
+
+def test_compute_aware_scores_and_the_token_budget_reach_the_designs():
+    base = signed_problem(keep_rate=0.5)
+    aware = dataclasses.replace(base, budget_in_tokens=True, length_exponent=-0.5)
+    costs = base.costs.double()
+    torch.testing.assert_close(aware.scores, base.scores * costs**-0.5, rtol=1e-15, atol=0)
+    pi = aware.keep_probabilities()
+    assert float((pi * costs).sum()) == pytest.approx(0.5 * float(costs.sum()), rel=1e-12)
+    keep, design_pi = get_design("stratified")(aware, torch.Generator().manual_seed(0))
+    assert torch.equal(design_pi, pi) and not keep[pi == 0].any()

@@ -331,6 +331,18 @@ def test_stratified_keeps_each_groups_and_signs_expected_count(tmp_path, tiny_mo
                 assert math.floor(total + 1e-6) <= int(keep[rows].sum()) <= math.ceil(total - 1e-6)
 
 
+def test_a_token_budget_and_compute_aware_scores_set_the_weights(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, keep_budget="tokens",
+                    score_length_exponent=-0.5, per_device_train_batch_size=16)  # fmt: skip
+    for r in trainer.records:
+        keep, weight = r["dppo_keep"], r["dppo_weight"].double()
+        tokens = (r["prompt_mask"].sum(1) + r["completion_mask"].sum(1)).double()
+        scores = r["advantages"].double().abs() * tokens**-0.5
+        pi, _ = keep_probabilities(scores, 0.5, trainer.args.keep_floor, zero_score_contributes=False, costs=tokens)
+        assert keep.any() and not keep[pi == 0].any()
+        torch.testing.assert_close(weight[keep], 1.0 / pi[keep], rtol=1e-5, atol=0)
+
+
 def test_rows_without_loss_tokens_are_never_kept(tmp_path, tiny_model_dir, train_dataset):
     trainer = train(
         RecordingTrainer,
