@@ -85,7 +85,8 @@ class DPPOConfig(GRPOConfig):
         metadata={
             "help": "Seed of the pruning decisions only (None: derived from `seed`). Runs with the same `seed` "
             "and different `prune_seed` generate the same first completions and differ only in their masks. "
-            "Used by the random designs ('systematic', 'poisson') and by prompt pruning's acceptance draws."
+            "Used by the random designs ('systematic', 'poisson', 'stratified') and by prompt pruning's acceptance "
+            "draws."
         },
     )
 
