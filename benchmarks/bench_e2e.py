@@ -99,6 +99,7 @@ def timed(trainer_cls):
         def _bench_record_generation(self, output):
             rewards = self._bench_rewards.float().cpu()
             completion_tokens = output["completion_mask"].sum(1).float().cpu()
+            width = output["completion_mask"].size(1)
             sequence_tokens = completion_tokens + output["prompt_mask"].sum(1).float().cpu()
             keep = output.get("dppo_keep")
             keep = torch.ones_like(rewards, dtype=torch.bool) if keep is None else keep.cpu()
@@ -116,10 +117,7 @@ def timed(trainer_cls):
                     "population_reward": population if population is not None else float(rewards.mean()),
                     "zero_variance_groups": zero_variance,
                     "completions": int(rewards.numel()),
-                    "padded_tokens": float(
-                        rewards.numel() * output["completion_mask"].size(1)
-                        + rewards.numel() * output["prompt_mask"].size(1)
-                    ),  # fmt: skip
+                    "padded_tokens": float(rewards.numel() * (output["prompt_mask"].size(1) + width)),
                     "kept_completions": int(keep.sum()),
                     "completion_tokens": float(completion_tokens.sum()),
                     "trained_sequence_tokens": float(sequence_tokens[keep].sum()),

@@ -156,9 +156,6 @@ class DPPOConfig(GRPOConfig):
     def _validate_dppo_fields(self) -> None:
         _check_unit_interval("completion_keep_rate", self.completion_keep_rate)
         _check_unit_interval("keep_floor", self.keep_floor)
-        if not isinstance(self.prune_sampling, str):
-            raise ValueError(f"prune_sampling={self.prune_sampling!r} is invalid: it must be one of "
-                             f"{list(sampling_designs())}.")  # fmt: skip
         get_design(self.prune_sampling)  # names the field and the registered designs when unknown
         if self.keep_budget not in KEEP_BUDGETS:
             raise ValueError(f"keep_budget={self.keep_budget!r} is invalid: it must be one of {list(KEEP_BUDGETS)}.")

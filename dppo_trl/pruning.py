@@ -327,7 +327,7 @@ def unbiased_designs() -> tuple[str, ...]:
 
 
 def get_design(name: str) -> Design:
-    if name not in _DESIGNS:
+    if not isinstance(name, str) or name not in _DESIGNS:
         raise ValueError(f"prune_sampling={name!r} is invalid: it must be one of {list(_DESIGNS)}.")
     return _DESIGNS[name][0]
 
