@@ -11,6 +11,19 @@ completion tokens in float64 (12 x 64 = 768 rows x ~310k parameters per checkpoi
 loss with ``beta=0``, on policy, is ``g_n = c_n h_n`` with ``c_n = -A_n / T_b`` (``dapo``: ``T_b`` the batch's
 completion tokens) or ``-A_n / (L_n N_b)`` (``grpo``: per-sequence mean over ``N_b`` rows).
 
+Designs (``--designs``, default ``DESIGNS``): ``<design>[+tokens][+g<gamma>]@<rate>`` draws the package's
+registered unbiased design ``<design>`` (``pruning.unbiased_designs()``: ``systematic``, ``poisson``,
+``stratified``, ...) through ``pruning.get_design`` on the trainer's ``PruneProblem`` of the batch, at
+``completion_keep_rate=<rate>``; ``+tokens`` is ``keep_budget="tokens"`` (``<rate>`` of the batch's tokens),
+``+g<gamma>`` is ``score_length_exponent=gamma`` (scores ``|A| L^gamma``). So a newly registered design is measured
+with no code here (by default too: ``<name>@0.5`` joins ``DESIGNS`` for each registered unbiased design it does
+not name); a ``DESIGNS`` entry whose design is not registered is skipped with a warning. The registered biased
+designs (``topk@<rate>``, ``zero_variance``) go through ``get_design`` too. Custom: ``grpo`` (the batch, TRL's
+padded passes), ``packing`` (every row, DPPO's packed passes), ``prompt@<rate>`` (prompt pruning alone),
+``dppo+prompt@<rate>`` (prompt pruning, then ``systematic`` over the accepted rows' ``PruneProblem``) and
+``oracle[+tokens][+g<gamma>]@<rate>`` (below). One ``PruneProblem`` per batch and variant (rate, ``+tokens``,
+``+g``) serves every design and draw of that variant, so its keep probabilities are solved once (it memoizes them).
+
 Every design estimates batch b's gradient as ``sum_n w_n g_n`` (the full-batch normalizer stays, as in DPPO's
 trainer). Its squared error to the population gradient (the pool mean, ``u = 1/B`` on every row) is the
 quadratic form ``e^T G e`` of ``e = w - u`` on the Gram ``G = diag(c) h h^T diag(c)``: only the diagonal blocks
@@ -20,8 +33,19 @@ the seed-mean error to the batch gradient over its norm; an unbiased design show
 ``bias_noise`` ~ 1/sqrt(seeds)), and ``compute`` (tokens allocated per batch by ONE log-prob or loss pass:
 TRL's padded batch for ``grpo``, the packed micro-batches of DPPO's trainer otherwise; generation is not
 counted). ``efficiency = (mse x compute)_grpo / (mse x compute)_design``; ``oracle@0.5`` (keep probabilities
-proportional to ``||g_n|| / sqrt(cost_n)`` at the token budget of ``systematic@0.5``) is the optimum of the
-family at that budget (exactly so for independent sampling), the limit to compare with.
+proportional to ``||g_n|| / sqrt(cost_n)`` at the expected tokens of ``systematic@0.5``; with ``+tokens`` or
+``+g``, of ``systematic`` with them) is the optimum of the family at that budget (exactly so for independent
+sampling), the limit to compare with.
+
+Balance of the draws (what a balanced design should shrink), each a mean over batches: ``kept_rows_sd``, the
+standard deviation over the seeds of the number of kept rows (0 for a fixed-size design: ``grpo``, ``topk``;
+at most about 0.5 for ``systematic``, whose count is the floor or ceiling of ``sum pi``); ``kept_tokens_rel_sd``,
+the standard deviation over the seeds of the kept tokens (prompt + completion of the kept rows) over their mean,
+the spread of the passes' work; ``group_imbalance``, the mean over the draws of
+``sum_g |sum_{n in g} w_n A_n - sum_{n in g} A_n| / sum_n |A_n|`` (``w`` the estimate's weights, 1 / pi on the
+kept rows; 0 for ``grpo``, and 0 on a batch whose advantages are all 0): how far the weighted advantages of each
+group stray from their total (0 for a group with spread), relative to the batch's total |A|. Prompt pruning alone
+weights each group evenly, so its ``group_imbalance`` is 0 whatever prompts it drops; its row counts vary the most.
 
 Caveats. The batch gradients are mostly noise here (GRPO's relative error to the pool mean is above 1), so the
 MSE to the pool mean rewards shrinkage: a biased design that shrinks the estimate (``topk``) can show less MSE
@@ -30,10 +54,12 @@ under ``dapo`` its self-normalized token count makes it a ratio estimator, biase
 accepted prompts than in the trainer, whose batches hold a full set of accepted prompts.
 
 About 7.5 minutes here single-threaded from scratch (4 of them the supervised warm start, cached under
-``--model-cache``; about 3 minutes once cached): per checkpoint ~25 s generation, ~20 s gradients, ~20 s estimators.
+``--model-cache``; about 3 minutes once cached): per checkpoint ~25 s generation, ~20 s gradients, ~20 s
+estimators; the two ``balanced`` designs' cube walks (~11 ms a draw of 64 rows) add about 2.5 minutes (estimated).
 
     python benchmarks/bench_variance.py                          # writes benchmarks/results/bench_variance.json
     python benchmarks/bench_variance.py --checkpoints 300 --batches 4 --prune-seeds 50 --json /tmp/v.json
+    python benchmarks/bench_variance.py --designs grpo systematic@0.5 poisson+tokens+g0.25@0.4 --json /tmp/v.json
 """
 
 from __future__ import annotations
@@ -63,22 +89,22 @@ from dppo_trl.config import _DEFAULT_KEEP_FLOOR, _DEFAULT_PROMPT_KEEP_FLOOR  # n
 from dppo_trl.packing import assign_microbatches, default_packed_tokens, packed_allocation  # noqa: E402
 from dppo_trl.prompts import prompt_acceptance_probabilities  # noqa: E402
 from dppo_trl.pruning import (  # noqa: E402
+    PruneProblem,
+    get_design,
     horvitz_thompson_weights,
-    keep_probabilities,
-    poisson_sample,
-    stratified_order,
+    sampling_designs,
     systematic_sample,
-    topk_mask,
+    unbiased_designs,
     zero_spread_rows,
-    zero_variance_mask,
 )
 
-# tokens[+g<gamma>]@r: systematic with keep_budget="tokens" (r of the batch's tokens; 0.4 spends about what
-# systematic@0.5 does) and score_length_exponent gamma (scores |A| L^gamma)
+# <design>[+tokens][+g<gamma>]@r (see parse_design); +tokens@0.4 spends about what @0.5 does in rows.
 DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5",
-           "stratified@0.5", "tokens@0.4", "tokens+g0.25@0.4", "tokens+g-0.5@0.4", "topk@0.5", "zero_variance",
-           "prompt@0.5", "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
-UNBIASED = ("systematic", "poisson", "stratified", "oracle", "tokens")  # for every loss type (prompt@: grpo only)
+           "stratified@0.5", "balanced@0.5", "systematic+tokens@0.4", "stratified+tokens@0.4", "balanced+tokens@0.4",
+           "systematic+tokens+g0.25@0.4", "systematic+tokens+g-0.5@0.4", "topk@0.5", "zero_variance", "prompt@0.5",
+           "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
+# The designs implemented here, not registered in the package: whether each takes @<rate>.
+CUSTOM_DESIGNS = {"grpo": False, "packing": False, "prompt": True, "dppo+prompt": True, "oracle": True}
 LOSS_TYPES = ("dapo", "grpo")
 STEPS_PER_GENERATION, PER_DEVICE_ROWS = 4, 16  # DPPO trainer's micro-batching of one generation batch
 
@@ -88,10 +114,95 @@ def stable_seed(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
 
-def design_parts(design: str) -> tuple[str, float | None]:
-    """``"systematic@0.5"`` -> ``("systematic", 0.5)``; a design without ``@`` has no nominal keep rate."""
-    name, _, rate = design.partition("@")
-    return name, float(rate) if rate else None
+@dataclass(frozen=True)
+class DesignSpec:
+    """A parsed design name: ``base`` (a registered design or a ``CUSTOM_DESIGNS`` one), its keep rate (None when
+    the name has none) and the ``PruneProblem`` settings of ``+tokens`` and ``+g<gamma>``."""
+
+    base: str
+    rate: float | None = None
+    tokens: bool = False  # budget_in_tokens
+    gamma: float = 0.0  # length_exponent
+
+    @property
+    def variant(self) -> tuple:
+        """What fixes a batch's keep probabilities: the designs of one variant share its ``PruneProblem``."""
+        return (self.rate, self.tokens, self.gamma)
+
+
+def design_grammar() -> str:
+    """The valid design names, in words (for error messages)."""
+    biased = [f"{name}[@<rate>]" for name in sampling_designs() if name not in unbiased_designs()]
+    return (f"grpo, packing, prompt@<rate>, dppo+prompt@<rate>, oracle[+tokens][+g<gamma>]@<rate>, "
+            f"{', '.join(biased)} or <design>[+tokens][+g<gamma>]@<rate> with <design> one of "
+            f"{list(unbiased_designs())}, 0 < rate <= 1")  # fmt: skip
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _parse(design: str) -> tuple[DesignSpec | None, str]:
+    """``(spec, "")``, or ``(None, why design is invalid)``."""
+    head, at, rate_text = design.partition("@")
+    base, *mods = [head] if head in CUSTOM_DESIGNS else head.split("+")
+    tokens = mods[:1] == ["tokens"]
+    extra = mods[1:] if tokens else mods
+    gamma = _number(extra[0][1:]) if len(extra) == 1 and extra[0][:1] == "g" else None if extra else 0.0
+    rate = _number(rate_text) if at else None
+    unbiased = base in unbiased_designs() or base == "oracle"
+    if base not in CUSTOM_DESIGNS and base not in sampling_designs():
+        return None, f"{base!r} is not a registered sampling design"
+    if gamma is None or (mods and not unbiased):
+        return None, f"{'+'.join(mods)!r} is not [+tokens][+g<gamma>] on an unbiased design"
+    if at and not CUSTOM_DESIGNS.get(base, True):
+        return None, f"{base} takes no @<rate>"
+    if at and (rate is None or not 0.0 < rate <= 1.0):
+        return None, f"@{rate_text} is not a keep rate in (0, 1]"
+    if not at and (unbiased or CUSTOM_DESIGNS.get(base, False)):
+        return None, f"{base} needs @<rate>"
+    return DesignSpec(base, rate, tokens, gamma), ""
+
+
+def parse_design(design: str) -> DesignSpec:
+    """``"systematic+tokens+g-0.5@0.4"`` -> ``DesignSpec("systematic", 0.4, True, -0.5)``. A registered biased
+    design's rate is optional (keep rate 1 without one). ValueError naming the valid names for any other."""
+    spec, why = _parse(design)
+    if spec is None:
+        raise ValueError(f"design {design!r} is invalid: {why}; expected {design_grammar()}")
+    return spec
+
+
+def available_designs(designs=DESIGNS) -> list[str]:
+    """``designs`` less those that are not valid now (e.g. a design not registered yet), each with a warning."""
+    out = []
+    for design in designs:
+        spec, why = _parse(design)
+        if spec is None:
+            print(f"warning: design {design!r} skipped: {why}", file=sys.stderr, flush=True)
+        else:
+            out.append(design)
+    return out
+
+
+def default_designs() -> list[str]:
+    """``available_designs()``, then ``<name>@0.5`` for each registered unbiased design that ``DESIGNS`` omits
+    (a newly registered design is measured by default)."""
+    named = {design.partition("@")[0].split("+")[0] for design in DESIGNS}
+    return available_designs() + [f"{name}@0.5" for name in unbiased_designs() if name not in named]
+
+
+def design_argument(text: str) -> str:
+    """``--designs`` type: the name itself, once ``parse_design`` accepts it."""
+    try:
+        parse_design(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
@@ -210,58 +321,73 @@ class Draw:
     tokens: int
 
 
-def completion_probabilities(
-    batch: Batch, keep_rate: float, rows: torch.Tensor | None = None, tokens: bool = False, gamma: float = 0.0
-) -> torch.Tensor:
-    """DPPO's ``pi`` (package keep floor, zero scores never kept) over ``rows`` (default: all), 0 elsewhere;
-    ``tokens``: ``keep_budget="tokens"``; ``gamma``: ``score_length_exponent`` (scores ``|A| L^gamma``)."""
+def batch_problem(batch: Batch, spec: DesignSpec, rows: torch.Tensor | None = None) -> PruneProblem:
+    """The trainer's ``PruneProblem`` over ``batch``'s ``rows`` (default all; its groups renumbered) at ``spec``'s
+    rate (1 without one) and budget: signed advantages (0 on zero-spread groups), prompt + completion tokens as
+    costs, the package's keep floor, zero scores never kept, rows without completion tokens contributing nothing."""
     rows = torch.ones_like(batch.rewards, dtype=torch.bool) if rows is None else rows
-    pi = torch.zeros_like(batch.rewards, dtype=torch.float64)
-    if bool(rows.any()):
-        lengths, cost = batch.completion_tokens[rows], batch.cost[rows]
-        scores = batch.scores[rows] * (cost**gamma if gamma else 1.0)
-        pi[rows], _ = keep_probabilities(scores, keep_rate, _DEFAULT_KEEP_FLOOR, zero_score_contributes=False,
-                                         contributes_nothing=lengths == 0, costs=cost if tokens else None)  # fmt: skip
-    return pi
+    return PruneProblem(
+        advantages=batch.advantages[rows],
+        costs=batch.cost[rows],
+        groups=torch.arange(int(rows.sum())) // batch.group_size,
+        rewards=batch.rewards[rows],
+        keep_rate=1.0 if spec.rate is None else spec.rate,
+        keep_floor=_DEFAULT_KEEP_FLOOR,
+        zero_score_contributes=False,
+        contributes_nothing=batch.completion_tokens[rows] == 0,
+        budget_in_tokens=spec.tokens,
+        length_exponent=spec.gamma,
+    )
 
 
-def token_budget_gamma(name: str) -> float | None:
-    """``"tokens"`` -> 0.0, ``"tokens+g0.25"`` -> 0.25 (systematic under a token budget); None for other names."""
-    if not name.startswith("tokens"):
-        return None
-    return float(name.partition("+g")[2] or 0.0)
+def cached_problem(batch: Batch, spec: DesignSpec, problems: dict, rows: torch.Tensor | None = None) -> PruneProblem:
+    """``batch_problem``, built once per (variant, rows) in ``problems`` (one dict per batch): every design and
+    draw of a variant shares the instance, so its keep probabilities are solved once (``PruneProblem`` memoizes)."""
+    key = (spec.variant, None if rows is None else tuple(rows.nonzero().flatten().tolist()))
+    if key not in problems:
+        problems[key] = batch_problem(batch, spec, rows)
+    return problems[key]
 
 
-def draw_design(design: str, batch: Batch, generator: torch.Generator, pi: torch.Tensor | None = None) -> Draw:
-    """One draw of ``design`` (see ``DESIGNS``); ``pi``: the keep probabilities of ``systematic``, ``poisson``
-    and ``oracle`` (fixed per batch, so computed once by the caller)."""
-    name, rate = design_parts(design)
+def registered_draw(name: str, problem: PruneProblem, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``get_design(name)`` on ``problem``: (kept rows, their weights: ``1 / pi`` for an unbiased design, 1 for a
+    biased one; 0 elsewhere)."""
+    keep, pi = get_design(name)(problem, generator)
+    return keep, keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
+
+
+def oracle_keep_probabilities(spec: DesignSpec, batch: Batch, norms: torch.Tensor, problems: dict) -> torch.Tensor:
+    """``oracle_probabilities`` at the expected tokens of ``systematic`` with ``spec``'s rate and budget (fixed per
+    batch and loss type, so computed once by the caller)."""
+    pi = cached_problem(batch, spec, problems).keep_probabilities()
+    return oracle_probabilities(norms, batch.cost, float((pi * batch.cost).sum()))
+
+
+def draw_design(design: str, batch: Batch, generator: torch.Generator, problems: dict | None = None,
+                pi: torch.Tensor | None = None) -> Draw:  # fmt: skip
+    """One draw of ``design`` (``parse_design``). ``problems``: ``batch``'s ``PruneProblem`` cache
+    (``cached_problem``), to share across draws; ``pi``: ``oracle``'s keep probabilities."""
+    spec = parse_design(design)
+    problems = {} if problems is None else problems
     every = torch.ones_like(batch.rewards, dtype=torch.bool)
     generated, prompt_weights = every, None
-    if name in ("grpo", "packing"):
-        keep = every
-        weights = keep.double()
-    elif name in ("systematic", "oracle", "poisson") or token_budget_gamma(name) is not None:
-        keep = (poisson_sample if name == "poisson" else systematic_sample)(pi, generator)
+    if spec.base in ("grpo", "packing"):
+        keep, weights = every, every.double()
+    elif spec.base == "oracle":
+        keep = systematic_sample(pi, generator)
         weights = horvitz_thompson_weights(pi, keep)
-    elif name == "stratified":
-        groups = torch.arange(batch.rewards.numel()) // batch.group_size
-        order = stratified_order(batch.advantages, batch.completion_tokens, groups, generator)
-        keep = systematic_sample(pi, generator, order=order)
-        weights = horvitz_thompson_weights(pi, keep)
-    elif name in ("topk", "zero_variance"):
-        keep = topk_mask(batch.scores, rate) if name == "topk" else zero_variance_mask(batch.rewards, batch.group_size)
-        weights = keep.double()
-    elif name in ("prompt", "dppo+prompt"):
-        generated, prompt_weights = prompt_acceptance(batch, rate, generator)
+    elif spec.base in ("prompt", "dppo+prompt"):
+        generated, prompt_weights = prompt_acceptance(batch, spec.rate, generator)
         keep, weights = generated, prompt_weights
-        if name == "dppo+prompt":
-            sub = completion_probabilities(batch, rate, generated)
-            keep = systematic_sample(sub, generator)
-            weights = prompt_weights * horvitz_thompson_weights(sub, keep)
+        if spec.base == "dppo+prompt":
+            keep, weights = torch.zeros_like(generated), torch.zeros_like(prompt_weights)
+            if bool(generated.any()):
+                problem = cached_problem(batch, spec, problems, rows=generated)
+                keep[generated], sub_weights = registered_draw("systematic", problem, generator)
+                weights[generated] = prompt_weights[generated] * sub_weights
     else:
-        raise ValueError(f"unknown design {design!r}; expected one of {DESIGNS}")
-    tokens = padded_tokens(batch) if name == "grpo" else packed_tokens(batch, keep, generated)
+        keep, weights = registered_draw(spec.base, cached_problem(batch, spec, problems), generator)
+    tokens = padded_tokens(batch) if spec.base == "grpo" else packed_tokens(batch, keep, generated)
     return Draw(weights, keep, generated, prompt_weights, tokens)
 
 
@@ -317,20 +443,6 @@ def squared_errors(weights: torch.Tensor, q: Quadratics, b: int) -> tuple[torch.
     return q.base[b] + 2.0 * (d @ q.cross[b]) + noise, noise
 
 
-def design_probabilities(design: str, batch: Batch, norms: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The fixed keep probabilities of the systematic, poisson and oracle designs on ``batch`` (None for the
-    others). ``oracle@r`` spends the expected tokens of ``systematic@r``; it needs the rows' ``||g_n||``."""
-    name, rate = design_parts(design)
-    if name in ("systematic", "poisson", "stratified"):
-        return completion_probabilities(batch, rate)
-    if token_budget_gamma(name) is not None:
-        return completion_probabilities(batch, rate, tokens=True, gamma=token_budget_gamma(name))
-    if name == "oracle":
-        budget = float((completion_probabilities(batch, rate) * batch.cost).sum())
-        return oracle_probabilities(norms, batch.cost, budget)
-    return None
-
-
 def design_statistics(draws: list[list[Draw]], weights: list[torch.Tensor], q: Quadratics) -> dict:
     """Per design and loss type: means over batches and draws of the squared errors, kept rows and tokens,
     and the relative bias (seed-mean error to the batch gradient over the batch gradient's norm; batches with
@@ -357,26 +469,58 @@ def design_statistics(draws: list[list[Draw]], weights: list[torch.Tensor], q: Q
     }
 
 
+def group_imbalance(weights: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Per row of ``weights`` (S x N): ``sum_g |sum_{n in g} w_n A_n - sum_{n in g} A_n| / sum_n |A_n|``;
+    exactly 0 for ``w = 1`` and on a batch whose advantages are all 0."""
+    a = batch.advantages.double()
+    total = float(a.abs().sum())
+    if total == 0:
+        return torch.zeros(weights.size(0), dtype=torch.float64)
+    weighted = (weights.double() * a).view(weights.size(0), -1, batch.group_size).sum(2)
+    return (weighted - a.view(-1, batch.group_size).sum(1)).abs().sum(1) / total
+
+
+def balance_statistics(draws: list[list[Draw]], weights: list[torch.Tensor], batches: list[Batch]) -> dict:
+    """``kept_rows_sd``, ``kept_tokens_rel_sd`` (standard deviations over the seeds, population form, so 0 for a
+    fixed draw) and ``group_imbalance`` (mean over the seeds), each a mean over batches."""
+    rows_sd, tokens_sd, imbalance = [], [], []
+    for row, w, batch in zip(draws, weights, batches):
+        passed = torch.stack([d.passed for d in row]).double()
+        rows_sd.append(float(passed.sum(1).std(correction=0)))
+        tokens = passed @ batch.cost
+        mean = float(tokens.mean())
+        tokens_sd.append(float(tokens.std(correction=0)) / mean if mean > 0 else 0.0)
+        imbalance.append(float(group_imbalance(w, batch).mean()))
+    return {"kept_rows_sd": statistics.mean(rows_sd), "kept_tokens_rel_sd": statistics.mean(tokens_sd),
+            "group_imbalance": statistics.mean(imbalance)}  # fmt: skip
+
+
+def batch_draws(design: str, batch: Batch, problems: dict, seeds: int, seed_key, norms: torch.Tensor) -> list[Draw]:
+    """``seeds`` draws of ``design`` on one batch, seeded by ``seed_key`` and the seed, sharing ``problems``."""
+    spec = parse_design(design)
+    pi = oracle_keep_probabilities(spec, batch, norms, problems) if spec.base == "oracle" else None
+    gens = (torch.Generator().manual_seed(stable_seed(*seed_key, s)) for s in range(seeds))
+    return [draw_design(design, batch, g, problems, pi) for g in gens]
+
+
 def evaluate_designs(batches: list[Batch], quadratics: dict, designs, seeds: int, label="") -> list[dict]:
     """One row per (loss type, design): its statistics over the pool, then its ratios to ``grpo`` and
     ``oracle@0.5``. Draws use a generator seeded by (design, batch, seed) (oracle: and loss type); the other
-    designs' draws are shared by the loss types."""
+    designs' draws are shared by the loss types. One ``PruneProblem`` per (batch, variant) serves every draw."""
+    problems = [{} for _ in batches]
     cache, rows = {}, []
     for loss_type, q in quadratics.items():
         for design in designs:
-            oracle = design_parts(design)[0] == "oracle"
-            key = (design, loss_type) if oracle else design
+            spec = parse_design(design)
+            key = (design, loss_type) if spec.base == "oracle" else design
             if key not in cache:
-                cache[key] = []
-                for b, batch in enumerate(batches):
-                    pi = design_probabilities(design, batch, q.norms[b] if oracle else None)
-                    gens = (torch.Generator().manual_seed(stable_seed(*key, b, s)) for s in range(seeds))
-                    cache[key].append([draw_design(design, batch, g, pi) for g in gens])
+                cache[key] = [batch_draws(design, batch, problems[b], seeds, (*key, b), q.norms[b])
+                              for b, batch in enumerate(batches)]  # fmt: skip
             weights = [torch.stack([effective_weights(d, batch, loss_type) for d in row])
                        for row, batch in zip(cache[key], batches)]  # fmt: skip
             stats = design_statistics(cache[key], weights, q)
-            rows.append({"checkpoint": label, "loss_type": loss_type, "design": design,
-                         "keep_rate": design_parts(design)[1], **stats})  # fmt: skip
+            rows.append({"checkpoint": label, "loss_type": loss_type, "design": design, "keep_rate": spec.rate,
+                         **stats, **balance_statistics(cache[key], weights, batches)})  # fmt: skip
     return add_ratios(rows)
 
 
@@ -399,7 +543,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (loss type, design): the mean over checkpoints of every figure."""
     keys = ("kept_fraction", "compute_ratio", "mse_ratio", "relative_error", "bias", "bias_noise", "efficiency",
-            "efficiency_to_oracle")  # fmt: skip
+            "efficiency_to_oracle", "kept_rows_sd", "kept_tokens_rel_sd", "group_imbalance")  # fmt: skip
     out = []
     for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
         for design in dict.fromkeys(r["design"] for r in rows):
@@ -411,15 +555,18 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict], title: str) -> None:
+    width = max([17] + [len(r["design"]) + 1 for r in rows])
     print(f"\n{title}")
-    print(f"{'design':<17}{'kept':>6}{'compute':>9}{'rel.err':>9}{'mse':>8}{'bias':>8}{'noise':>8}"
-          f"{'effic.':>8}{'/oracle':>8}")  # fmt: skip
-    print(f"{'':<17}{'':>6}{'/GRPO':>9}{'':>9}{'/GRPO':>8}{'':>8}{'':>8}{'':>8}{'':>8}")
+    print(f"{'design':<{width}}{'kept':>6}{'compute':>9}{'rel.err':>9}{'mse':>8}{'bias':>8}{'noise':>8}"
+          f"{'effic.':>8}{'/oracle':>8}{'rows':>7}{'tokens':>8}{'group':>8}")  # fmt: skip
+    print(f"{'':<{width}}{'':>6}{'/GRPO':>9}{'':>9}{'/GRPO':>8}{'':>8}{'':>8}{'':>8}{'':>8}{'sd':>7}{'rel.sd':>8}"
+          f"{'imbal.':>8}")  # fmt: skip
     for r in rows:
         to_oracle = r["efficiency_to_oracle"]
-        print(f"{r['design']:<17}{r['kept_fraction']:>6.3f}{r['compute_ratio']:>9.3f}{r['relative_error']:>9.3f}"
-              f"{r['mse_ratio']:>8.3f}{r['bias']:>8.4f}{r['bias_noise']:>8.4f}{r['efficiency']:>8.3f}"
-              f"{to_oracle if to_oracle is not None else math.nan:>8.3f}")  # fmt: skip
+        print(f"{r['design']:<{width}}{r['kept_fraction']:>6.3f}{r['compute_ratio']:>9.3f}"
+              f"{r['relative_error']:>9.3f}{r['mse_ratio']:>8.3f}{r['bias']:>8.4f}{r['bias_noise']:>8.4f}"
+              f"{r['efficiency']:>8.3f}{to_oracle if to_oracle is not None else math.nan:>8.3f}"
+              f"{r['kept_rows_sd']:>7.3f}{r['kept_tokens_rel_sd']:>8.4f}{r['group_imbalance']:>8.4f}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- model-dependent
@@ -611,7 +758,8 @@ def main(argv=None):
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations)")
     parser.add_argument("--prune-seeds", type=int, default=200, help="draws of every design per batch")
     parser.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES)
-    parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=DESIGNS)
+    parser.add_argument("--designs", nargs="+", type=design_argument, default=None,
+                        help=f"default: default_designs(); any of: {design_grammar()}")  # fmt: skip
     parser.add_argument("--train-prompts", type=int, default=256, help="training list (draws, with repeats)")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -619,6 +767,7 @@ def main(argv=None):
     parser.add_argument("--model-cache", default="outputs/bench-variance")
     parser.add_argument("--json", default="benchmarks/results/bench_variance.json")
     args = parser.parse_args(argv)
+    args.designs = default_designs() if args.designs is None else args.designs
     if "grpo" not in args.designs:
         parser.error("--designs must include grpo: every ratio is to it")
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ No TRL import here. Every function works on plain 1-D tensors over the rows of O
 (all ranks together), so that every rank, given the same inputs and generator, makes the same decision.
 
 Sampling designs are registered by name (``register_design``); ``prune_sampling`` picks one. Invariant of the
-unbiased designs (``systematic``, ``poisson``, ``stratified``): row ``n`` is kept with probability exactly
+unbiased designs (``systematic``, ``poisson``, ``stratified``, ``balanced``): row ``n`` is kept with probability exactly
 ``pi[n]``; a kept row carries the weight ``1 / pi[n]``; a row with ``pi[n] == 0`` is never kept and must
 contribute exactly zero to the loss. Then ``E[sum_n keep_n * w_n * l_n] = sum_n l_n`` for any ``l``.
 """
@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from .cube import cube_sample
 
 
 def keep_probabilities(
@@ -296,9 +298,13 @@ class PruneProblem:
         return scores
 
     def keep_probabilities(self) -> torch.Tensor:
-        """``keep_probabilities`` of the scores at this budget (float64)."""
+        """``keep_probabilities`` of the scores at this budget (float64), solved once per problem (the problem is
+        frozen; callers must not modify the returned tensor)."""
+        if "_pi" in self.__dict__:
+            return self.__dict__["_pi"]
         pi, _ = keep_probabilities(self.scores, self.keep_rate, self.keep_floor, self.zero_score_contributes,
                                    self.contributes_nothing, self.costs if self.budget_in_tokens else None)  # fmt: skip
+        object.__setattr__(self, "_pi", pi)
         return pi
 
 
@@ -364,6 +370,29 @@ def _stratified(problem: PruneProblem, generator: torch.Generator):
     pi = problem.keep_probabilities()
     order = stratified_order(problem.advantages.to(torch.float64), problem.costs, problem.groups, generator)
     return systematic_sample(pi, generator, order=order), pi
+
+
+def balancing_variables(pi: torch.Tensor, problem: PruneProblem, generator: torch.Generator) -> torch.Tensor:
+    """``balanced``'s balancing variables (N x p, columns in priority order): the budget (``pi``: the kept count;
+    ``pi * cost`` under a token budget: the kept tokens), each group's advantages (the groups with a nonzero
+    one, in a random order: its reweighted advantages sum to the group's), then the other of rows and tokens."""
+    costs = problem.costs.detach().to(torch.float64)
+    rows, tokens = pi, pi * costs
+    advantages = problem.advantages.detach().to(torch.float64)
+    group_ids = torch.unique(problem.groups[advantages != 0])
+    group_ids = group_ids[torch.randperm(group_ids.numel(), generator=generator)]
+    per_group = advantages[:, None] * (problem.groups[:, None] == group_ids[None, :])
+    first, last = (tokens, rows) if problem.budget_in_tokens else (rows, tokens)
+    return torch.cat([first[:, None], per_group, last[:, None]], dim=1)
+
+
+@register_design("balanced", unbiased=True)
+def _balanced(problem: PruneProblem, generator: torch.Generator):
+    """The cube method (``cube.cube_sample``) on ``balancing_variables``: row ``n`` is kept with probability
+    exactly ``pi[n]``, and the budget, each group's advantage sum and the other cost are met as closely as
+    the landing allows (the first columns the most closely)."""
+    pi = problem.keep_probabilities()
+    return cube_sample(pi, balancing_variables(pi, problem, generator), generator), pi
 
 
 @register_design("topk", unbiased=False)

@@ -112,12 +112,110 @@ def test_advantages_compute_and_prompt_renormalization():
 def test_every_design_draws_weights_only_on_passed_rows():
     batch = synthetic_batch()
     norms = torch.rand(16, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * (batch.scores > 0)
-    for design in bv.DESIGNS:
-        pi = bv.design_probabilities(design, batch, norms)
-        first = bv.draw_design(design, batch, torch.Generator().manual_seed(7), pi)
-        again = bv.draw_design(design, batch, torch.Generator().manual_seed(7), pi)
+    for design in bv.available_designs():
+        problems = {}
+        spec = bv.parse_design(design)
+        pi = bv.oracle_keep_probabilities(spec, batch, norms, problems) if spec.base == "oracle" else None
+        first = bv.draw_design(design, batch, torch.Generator().manual_seed(7), problems, pi)
+        again = bv.draw_design(design, batch, torch.Generator().manual_seed(7), None, pi)
         assert torch.equal(first.weights, again.weights) and first.tokens == again.tokens, design
         assert (first.weights[~first.passed] == 0).all() and not (first.passed & ~first.generated).any(), design
+
+
+def test_design_grammar_and_its_errors(capsys):
+    assert bv.parse_design("systematic+tokens+g-0.5@0.4") == bv.DesignSpec("systematic", 0.4, True, -0.5)
+    assert bv.parse_design("poisson+g0.25@0.3") == bv.DesignSpec("poisson", 0.3, False, 0.25)
+    assert bv.parse_design("stratified+tokens@0.4") == bv.DesignSpec("stratified", 0.4, True, 0.0)
+    assert bv.parse_design("dppo+prompt@0.5") == bv.DesignSpec("dppo+prompt", 0.5)
+    assert bv.parse_design("zero_variance") == bv.DesignSpec("zero_variance")
+    assert bv.parse_design("grpo").rate is None and bv.parse_design("topk@0.5").rate == 0.5
+    for name in bv.unbiased_designs():
+        assert bv.parse_design(f"{name}+tokens@0.4") == bv.DesignSpec(name, 0.4, True), name
+    bad = ("tokens@0.4", "nope@0.5", "systematic", "grpo@0.5", "systematic@1.5", "systematic@x", "systematic+g@0.5",
+           "systematic+g0.1+tokens@0.5", "topk+tokens@0.5", "prompt")  # fmt: skip
+    for design in bad:
+        with pytest.raises(ValueError, match="is invalid.*expected .*'systematic'"):
+            bv.parse_design(design)
+    assert bv.available_designs(("grpo", "nope@0.5", "systematic@0.5")) == ["grpo", "systematic@0.5"]
+    assert "'nope@0.5' skipped" in capsys.readouterr().err
+    assert all(bv.parse_design(d) for d in bv.available_designs())
+    with pytest.raises(SystemExit):
+        bv.main(["--designs", "grpo", "tokens@0.4"])
+    err = capsys.readouterr().err
+    assert "'tokens' is not a registered sampling design" in err and "<design>[+tokens][+g<gamma>]@<rate>" in err
+
+
+def test_batch_problem_is_the_trainers():
+    batch = synthetic_batch()
+    batch.completion_tokens[5] = 0
+    problem = bv.batch_problem(batch, bv.parse_design("poisson+tokens+g0.25@0.4"))
+    assert problem.budget_in_tokens and problem.length_exponent == 0.25 and problem.keep_rate == 0.4
+    assert torch.equal(problem.costs, (batch.prompt_tokens + batch.completion_tokens).double())
+    assert torch.equal(problem.groups, torch.arange(16) // 4) and torch.equal(problem.advantages, batch.advantages)
+    assert problem.contributes_nothing.nonzero().flatten().tolist() == [5]
+    pi = problem.keep_probabilities()
+    assert float((pi * problem.costs).sum()) == pytest.approx(0.4 * float(problem.costs.sum()))
+    rows = torch.arange(16) >= 8
+    sub = bv.batch_problem(batch, bv.parse_design("systematic@0.5"), rows)
+    assert torch.equal(sub.groups, torch.arange(8) // 4) and torch.equal(sub.costs, problem.costs[8:])
+    problems = {}
+    shared = bv.cached_problem(batch, bv.parse_design("systematic@0.5"), problems)
+    bv.batch_draws("stratified@0.5", batch, problems, 3, ("k",), None)
+    assert len(problems) == 1 and bv.cached_problem(batch, bv.parse_design("poisson@0.5"), problems) is shared
+
+
+@pytest.mark.parametrize("variant", ["@0.5", "+tokens@0.4", "+g-0.5@0.5"])
+def test_registered_unbiased_designs_carry_inverse_pi(variant):
+    """Every registered unbiased design, drawn through the benchmark: weight 1 / pi on kept rows, 0 elsewhere,
+    and inclusion frequencies that match pi."""
+    batch = synthetic_batch()
+    for name in bv.unbiased_designs():
+        design = name + variant
+        problems = {}
+        pi = bv.cached_problem(batch, bv.parse_design(design), problems).keep_probabilities()
+        assert 0 < float(pi.sum()) < 16 and (pi[batch.scores == 0] == 0).all(), design
+        draws = bv.batch_draws(design, batch, problems, 200, (design,), None)
+        for d in draws:
+            assert not (d.passed & (pi == 0)).any(), design
+            torch.testing.assert_close(d.weights, torch.where(d.passed, 1.0 / pi, 0.0), rtol=1e-12, atol=0)
+        frequency = torch.stack([d.passed for d in draws]).double().mean(0)
+        assert float((frequency - pi).abs().max()) < 0.15, design  # 4 standard deviations
+
+
+def test_balance_metrics_on_a_tiny_batch():
+    batch = synthetic_batch()
+    a, total = batch.advantages, float(batch.advantages.abs().sum())
+    weights = torch.rand(3, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    weights[1] = 1.0
+    weights[2] = 0.0
+    weights[2, 0] = 2.0  # only row 0 kept: its group is off by |2 A_0 - sum A_g0|, the others by |sum A_g| = 0
+    explicit = [sum(abs(float((w[4 * g : 4 * g + 4] * a[4 * g : 4 * g + 4]).sum() - a[4 * g : 4 * g + 4].sum()))
+                    for g in range(4)) / total for w in weights]  # fmt: skip
+    imbalance = bv.group_imbalance(weights, batch)
+    torch.testing.assert_close(imbalance, torch.tensor(explicit, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert float(imbalance[1]) == 0.0 and float(imbalance[0]) > 0
+    assert float(imbalance[2]) == pytest.approx(2 * abs(float(a[0])) / total, abs=1e-12)
+    zero = bv.Batch(batch.rewards * 0, batch.advantages * 0, batch.prompt_tokens, batch.completion_tokens,
+                    batch.history, 4)  # fmt: skip
+    assert bv.group_imbalance(weights, zero).tolist() == [0.0, 0.0, 0.0]
+    stats = {}
+    for design in ("grpo", "packing", "systematic@0.3", "poisson@0.3", "topk@0.5", "topk@0.25", "dppo+prompt@0.5"):
+        draws = [bv.batch_draws(design, batch, {}, 50, (design,), None)]
+        w = [torch.stack([bv.effective_weights(d, batch, "dapo") for d in draws[0]])]
+        stats[design] = bv.balance_statistics(draws, w, [batch])
+        assert all(v >= 0 for v in stats[design].values()), design
+    for design in ("grpo", "packing"):
+        assert stats[design] == {"kept_rows_sd": 0.0, "kept_tokens_rel_sd": 0.0, "group_imbalance": 0.0}
+    assert stats["topk@0.5"]["kept_rows_sd"] == 0.0 and stats["topk@0.5"]["kept_tokens_rel_sd"] == 0.0
+    assert stats["topk@0.25"]["group_imbalance"] > 0  # rows 0, 1, 2 and 11 (weight 1): off by |A_3| + |A_11|
+    # Systematic keeps floor or ceil of sum(pi) = 4.8 rows (sd 0.4); Poisson's count varies more.
+    assert 0.3 < stats["systematic@0.3"]["kept_rows_sd"] <= 0.5 < stats["poisson@0.3"]["kept_rows_sd"]
+    assert stats["systematic@0.3"]["group_imbalance"] > 0 and stats["systematic@0.3"]["kept_tokens_rel_sd"] > 0
+    assert stats["dppo+prompt@0.5"]["group_imbalance"] > 0
+    # kept_tokens_rel_sd by hand: the kept tokens of each draw.
+    draws = bv.batch_draws("poisson@0.3", batch, {}, 50, ("poisson@0.3",), None)
+    tokens = torch.tensor([float(batch.cost[d.passed].sum()) for d in draws], dtype=torch.float64)
+    assert stats["poisson@0.3"]["kept_tokens_rel_sd"] == pytest.approx(float(tokens.std(correction=0) / tokens.mean()))
 
 
 def reward_with_spread(completions, prompts=None, answer=None, **kwargs):
@@ -133,7 +231,10 @@ def test_bench_variance_runs_every_design_and_loss_type(tmp_path, monkeypatch, c
     rows = bv.main(["--checkpoints", "60", "--hidden-size", "32", "--layers", "1", "--batches", "2", "--prompts",
                     "2", "--prune-seeds", "20", "--model-cache", str(tmp_path), "--json", str(out)])  # fmt: skip
     by = {(r["loss_type"], r["design"]): r for r in rows}
-    assert set(by) == {(lt, d) for lt in bv.LOSS_TYPES for d in bv.DESIGNS}
+    designs = bv.default_designs()
+    assert {bv.parse_design(d).base for d in designs} >= set(bv.unbiased_designs())
+    assert set(by) == {(lt, d) for lt in bv.LOSS_TYPES for d in designs}
+    assert {"systematic+tokens@0.4", "systematic+tokens+g-0.5@0.4", "stratified+tokens@0.4"} <= set(designs)
     for lt in bv.LOSS_TYPES:
         grpo, packing = by[lt, "grpo"], by[lt, "packing"]
         assert grpo["mse"] > 0 and grpo["efficiency"] == 1.0 and grpo["compute_ratio"] == 1.0
@@ -143,10 +244,16 @@ def test_bench_variance_runs_every_design_and_loss_type(tmp_path, monkeypatch, c
             assert by[lt, design]["kept_fraction"] <= 0.6, design
         for design in ("systematic@0.75", "systematic@0.5", "poisson@0.5", "stratified@0.5", "oracle@0.5"):
             assert by[lt, design]["mse_to_batch"] > 0 and by[lt, design]["mse"] >= by[lt, design]["mse_to_batch"]
+        assert by[lt, "grpo"]["group_imbalance"] == 0.0 and by[lt, "grpo"]["kept_rows_sd"] == 0.0
+        assert by[lt, "packing"]["kept_tokens_rel_sd"] == 0.0 and by[lt, "topk@0.5"]["kept_rows_sd"] == 0.0
+        assert by[lt, "systematic@0.5"]["group_imbalance"] > 0 and by[lt, "systematic@0.5"]["kept_rows_sd"] <= 0.5
+        assert all(min(r["kept_rows_sd"], r["kept_tokens_rel_sd"], r["group_imbalance"]) >= 0 for r in rows)
     assert by["dapo", "zero_variance"]["mse_to_batch"] <= 1e-20 * by["dapo", "grpo"]["mse"]
     saved = json.loads(out.read_text())
     assert all("design" in r for r in saved["results"]) and len(saved["results"]) == len(rows)
-    assert {s["design"] for s in saved["summary"]} == set(bv.DESIGNS)
+    assert {s["design"] for s in saved["summary"]} == set(designs) and saved["config"]["designs"] == designs
+    assert all(s["group_imbalance"] >= 0 and s["kept_tokens_rel_sd"] >= 0 for s in saved["summary"])
     assert 0.0 <= saved["checkpoints"][0]["zero_variance_share"] < 1.0
     assert not math.isnan(saved["summary"][0]["efficiency"])
-    assert "summary, loss_type=dapo" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "summary, loss_type=dapo" in printed and "imbal." in printed and "systematic+tokens+g-0.5@0.4 " in printed

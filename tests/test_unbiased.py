@@ -1,5 +1,5 @@
-"""Exact oracle (DESIGN.md section 6): over every Poisson mask and every systematic start point (random and
-stratified orders), the expected
+"""Exact oracle (DESIGN.md section 6): over every Poisson mask, every systematic start point (random and
+stratified orders) and every outcome of the balanced design's cube walk, the expected
 DPPO loss and gradient equal the full-batch loss and gradient, for every TRL loss_type, beta 0 and > 0,
 with clipping active, gradient_accumulation_steps equal to and below steps_per_generation. The oracle runs in
 float64 (model, log-probs, advantages, weights), so "equal" means to float64 rounding, far from any float32
@@ -13,7 +13,15 @@ from conftest import cpu_config, random_reward
 from trl import GRPOTrainer
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.pruning import horvitz_thompson_weights, keep_probabilities, stratified_order, systematic_sample
+from dppo_trl.cube import cube_outcomes
+from dppo_trl.pruning import (
+    PruneProblem,
+    balancing_variables,
+    horvitz_thompson_weights,
+    keep_probabilities,
+    stratified_order,
+    systematic_sample,
+)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"]
 N_ROWS = 6
@@ -126,6 +134,18 @@ def systematic_outcomes(pi, order):
             yield hi - lo, keep, horvitz_thompson_weights(pi, keep)
 
 
+def balanced_outcomes(pi, advantages, lengths, groups, seed=3):
+    problem = PruneProblem(advantages, lengths, groups, None, keep_rate=0.5, keep_floor=0.1)
+    g = torch.Generator().manual_seed(seed)
+    x = balancing_variables(pi, problem, g)
+    merged = {}  # leaves with the same kept rows: one loss pass
+    for prob, keep in cube_outcomes(pi, x, torch.randperm(pi.numel(), generator=g)):
+        merged[tuple(keep.tolist())] = merged.get(tuple(keep.tolist()), 0.0) + prob
+    for rows, prob in merged.items():
+        keep = torch.tensor(rows)
+        yield prob, keep, horvitz_thompson_weights(pi, keep)
+
+
 def float64(batch):
     """The batch's floating tensors in float64."""
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
@@ -168,6 +188,11 @@ def test_expected_loss_and_gradient_equal_the_full_batch(
     lengths, groups = batch["completion_mask"].sum(1), torch.arange(N_ROWS) // trainer.num_generations
     order = stratified_order(batch["advantages"], lengths, groups, torch.Generator().manual_seed(2))
     loss, grad = expectation(trainer, batch, systematic_outcomes(pi, order))
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
+
+    # `balanced`: every leaf of the cube walk over the budget, each group's advantages and the tokens
+    loss, grad = expectation(trainer, batch, balanced_outcomes(pi, batch["advantages"], lengths, groups))
     assert_exact(loss, full_loss)
     assert_exact(grad, full_grad)
 
