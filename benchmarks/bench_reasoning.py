@@ -1,5 +1,5 @@
-"""Reasoning-shaped benchmark: GRPO (TRL's trainer), packing alone, DPPO, DPPO + prompt pruning, CPPO's `topk`
-and the `zero_variance` filter, each trained the same number of epochs over the same training set (the paper's
+"""Reasoning-shaped benchmark: GRPO (TRL's trainer), packing alone, DPPO (the default design, then `stratified`
+and `balanced`), DPPO + prompt pruning, CPPO's `topk` and the `zero_variance` filter, each trained the same number of epochs over the same training set (the paper's
 protocol), timed with generation included, on the countdown task (`dppo_trl.countdown`: `"58="` ->
 `"58,51,...,2#2"`, long-tailed completion lengths, many zero-variance groups) from one warm-started tiny Qwen2.
 
@@ -9,7 +9,7 @@ the training distribution) at fixed points of data progress, outside the clock. 
 interleaved within each seed; ratios to GRPO of the same seed. Prints the table and writes JSON (and plots with
 ``--plots``).
 
-    make bench-reasoning                      # 2 seeds, tables + JSON + plots in docs/images (~40 min here)
+    make bench-reasoning                      # 2 seeds, tables + JSON + plots in docs/images (~50 min here)
     python benchmarks/bench_reasoning.py --seeds 0 --epochs 1 --methods grpo dppo
 """
 
@@ -41,6 +41,8 @@ METHODS = {
     "packing": dict(completion_keep_rate=1.0),
     "dppo": dict(completion_keep_rate=0.5),
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
+    "stratified": dict(prune_sampling="stratified", completion_keep_rate=0.5),
+    "balanced": dict(prune_sampling="balanced", completion_keep_rate=0.5),
     "topk": dict(prune_sampling="topk", completion_keep_rate=0.5),
     "zero_variance": dict(prune_sampling="zero_variance"),
 }

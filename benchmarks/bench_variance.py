@@ -15,7 +15,9 @@ Designs (``--designs``, default ``DESIGNS``): ``<design>[+tokens][+g<gamma>]@<ra
 registered unbiased design ``<design>`` (``pruning.unbiased_designs()``: ``systematic``, ``poisson``,
 ``stratified``, ...) through ``pruning.get_design`` on the trainer's ``PruneProblem`` of the batch, at
 ``completion_keep_rate=<rate>``; ``+tokens`` is ``keep_budget="tokens"`` (``<rate>`` of the batch's tokens),
-``+g<gamma>`` is ``score_length_exponent=gamma`` (scores ``|A| L^gamma``). So a newly registered design is measured
+``+g<gamma>`` is ``score_length_exponent=gamma`` (scores ``|A| L^gamma``), ``+e<target>`` is
+``adaptive_keep_error=target`` (each batch's rate the smallest from ``<rate>`` up whose estimated pruning error is at
+most ``target``). So a newly registered design is measured
 with no code here (by default too: ``<name>@0.5`` joins ``DESIGNS`` for each registered unbiased design it does
 not name); a ``DESIGNS`` entry whose design is not registered is skipped with a warning. The registered biased
 designs (``topk@<rate>``, ``zero_variance``) go through ``get_design`` too. Custom: ``grpo`` (the batch, TRL's
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -90,6 +93,7 @@ from dppo_trl.packing import assign_microbatches, default_packed_tokens, packed_
 from dppo_trl.prompts import prompt_acceptance_probabilities  # noqa: E402
 from dppo_trl.pruning import (  # noqa: E402
     PruneProblem,
+    adaptive_keep_rate,
     get_design,
     horvitz_thompson_weights,
     sampling_designs,
@@ -100,8 +104,10 @@ from dppo_trl.pruning import (  # noqa: E402
 
 # <design>[+tokens][+g<gamma>]@r (see parse_design); +tokens@0.4 spends about what @0.5 does in rows.
 DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5",
-           "stratified@0.5", "balanced@0.5", "systematic+tokens@0.4", "stratified+tokens@0.4", "balanced+tokens@0.4",
-           "systematic+tokens+g0.25@0.4", "systematic+tokens+g-0.5@0.4", "topk@0.5", "zero_variance", "prompt@0.5",
+           "stratified@0.5", "balanced@0.5", "systematic+g-0.5@0.5", "stratified+g-0.5@0.5", "systematic+g0.5@0.5",
+           "systematic+tokens@0.4", "stratified+tokens@0.4", "balanced+tokens@0.4", "systematic+tokens+g0.25@0.4",
+           "systematic+tokens+g-0.5@0.4", "stratified+tokens+g-0.5@0.4", "stratified+e0.3@0.25",
+           "stratified+e0.5@0.25", "topk@0.5", "zero_variance", "prompt@0.5",
            "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
 # The designs implemented here, not registered in the package: whether each takes @<rate>.
 CUSTOM_DESIGNS = {"grpo": False, "packing": False, "prompt": True, "dppo+prompt": True, "oracle": True}
@@ -117,24 +123,25 @@ def stable_seed(*parts) -> int:
 @dataclass(frozen=True)
 class DesignSpec:
     """A parsed design name: ``base`` (a registered design or a ``CUSTOM_DESIGNS`` one), its keep rate (None when
-    the name has none) and the ``PruneProblem`` settings of ``+tokens`` and ``+g<gamma>``."""
+    the name has none) and the ``PruneProblem`` settings of ``+tokens``, ``+g<gamma>`` and ``+e<target>``."""
 
     base: str
     rate: float | None = None
     tokens: bool = False  # budget_in_tokens
     gamma: float = 0.0  # length_exponent
+    error: float | None = None  # adaptive_keep_error: the batch's rate from <rate> up to meet it
 
     @property
     def variant(self) -> tuple:
         """What fixes a batch's keep probabilities: the designs of one variant share its ``PruneProblem``."""
-        return (self.rate, self.tokens, self.gamma)
+        return (self.rate, self.tokens, self.gamma, self.error)
 
 
 def design_grammar() -> str:
     """The valid design names, in words (for error messages)."""
     biased = [f"{name}[@<rate>]" for name in sampling_designs() if name not in unbiased_designs()]
-    return (f"grpo, packing, prompt@<rate>, dppo+prompt@<rate>, oracle[+tokens][+g<gamma>]@<rate>, "
-            f"{', '.join(biased)} or <design>[+tokens][+g<gamma>]@<rate> with <design> one of "
+    return (f"grpo, packing, prompt@<rate>, dppo+prompt@<rate>, oracle[+tokens][+g<gamma>][+e<target>]@<rate>, "
+            f"{', '.join(biased)} or <design>[+tokens][+g<gamma>][+e<target>]@<rate> with <design> one of "
             f"{list(unbiased_designs())}, 0 < rate <= 1")  # fmt: skip
 
 
@@ -146,26 +153,36 @@ def _number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _modifiers(mods: list[str]) -> tuple[dict, str]:
+    """``+tokens``, ``+g<gamma>``, ``+e<target>`` (each at most once) -> DesignSpec fields, or ``({}, why)``."""
+    fields = {}
+    for mod in mods:
+        value = _number(mod[1:]) if mod[:1] in ("g", "e") else None
+        name = {"tokens": "tokens"}.get(mod) or {"g": "gamma", "e": "error"}.get(mod[:1]) if mod else None
+        if name is None or name in fields or (name != "tokens" and value is None) or (name == "error" and value <= 0):
+            return {}, f"{'+'.join(mods)!r} is not [+tokens][+g<gamma>][+e<target> > 0]"
+        fields[name] = True if name == "tokens" else value
+    return fields, ""
+
+
 def _parse(design: str) -> tuple[DesignSpec | None, str]:
     """``(spec, "")``, or ``(None, why design is invalid)``."""
     head, at, rate_text = design.partition("@")
     base, *mods = [head] if head in CUSTOM_DESIGNS else head.split("+")
-    tokens = mods[:1] == ["tokens"]
-    extra = mods[1:] if tokens else mods
-    gamma = _number(extra[0][1:]) if len(extra) == 1 and extra[0][:1] == "g" else None if extra else 0.0
+    fields, why = _modifiers(mods)
     rate = _number(rate_text) if at else None
     unbiased = base in unbiased_designs() or base == "oracle"
     if base not in CUSTOM_DESIGNS and base not in sampling_designs():
         return None, f"{base!r} is not a registered sampling design"
-    if gamma is None or (mods and not unbiased):
-        return None, f"{'+'.join(mods)!r} is not [+tokens][+g<gamma>] on an unbiased design"
+    if why or (mods and not unbiased):
+        return None, why or f"{'+'.join(mods)!r}: modifiers need an unbiased design"
     if at and not CUSTOM_DESIGNS.get(base, True):
         return None, f"{base} takes no @<rate>"
     if at and (rate is None or not 0.0 < rate <= 1.0):
         return None, f"@{rate_text} is not a keep rate in (0, 1]"
     if not at and (unbiased or CUSTOM_DESIGNS.get(base, False)):
         return None, f"{base} needs @<rate>"
-    return DesignSpec(base, rate, tokens, gamma), ""
+    return DesignSpec(base, rate, **fields), ""
 
 
 def parse_design(design: str) -> DesignSpec:
@@ -326,7 +343,7 @@ def batch_problem(batch: Batch, spec: DesignSpec, rows: torch.Tensor | None = No
     rate (1 without one) and budget: signed advantages (0 on zero-spread groups), prompt + completion tokens as
     costs, the package's keep floor, zero scores never kept, rows without completion tokens contributing nothing."""
     rows = torch.ones_like(batch.rewards, dtype=torch.bool) if rows is None else rows
-    return PruneProblem(
+    problem = PruneProblem(
         advantages=batch.advantages[rows],
         costs=batch.cost[rows],
         groups=torch.arange(int(rows.sum())) // batch.group_size,
@@ -338,6 +355,9 @@ def batch_problem(batch: Batch, spec: DesignSpec, rows: torch.Tensor | None = No
         budget_in_tokens=spec.tokens,
         length_exponent=spec.gamma,
     )
+    if spec.error is None:
+        return problem
+    return dataclasses.replace(problem, keep_rate=adaptive_keep_rate(problem, spec.error))
 
 
 def cached_problem(batch: Batch, spec: DesignSpec, problems: dict, rows: torch.Tensor | None = None) -> PruneProblem:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from transformers.utils import logging
@@ -80,13 +81,25 @@ class DPPOConfig(GRPOConfig):
             "proportional to ||g|| / sqrt(L). Used by the unbiased designs and 'topk'.",
         },
     )
+    adaptive_keep_error: float | None = field(
+        default=None,
+        metadata={
+            "help": "When set, each generation batch's keep rate is the smallest from `completion_keep_rate` up to "
+            "1 whose estimated pruning error (logged as `dppo/pruning_error`: the Horvitz-Thompson noise relative "
+            "to the full batch's gradient, the rows' gradients taken as orthogonal with norms proportional to "
+            "their scores) is at most this value, e.g. 0.3: a batch whose signal sits in a few rows prunes down to "
+            "`completion_keep_rate`, one whose signal is spread keeps more. `completion_keep_rate` stays the "
+            "fewest kept; still exactly unbiased (the rate is a function of the batch). None: a fixed rate. Used "
+            "by the unbiased designs.",
+        },
+    )
     prune_seed: int | None = field(
         default=None,
         metadata={
             "help": "Seed of the pruning decisions only (None: derived from `seed`). Runs with the same `seed` "
             "and different `prune_seed` generate the same first completions and differ only in their masks. "
-            "Used by the random designs ('systematic', 'poisson', 'stratified') and by prompt pruning's acceptance "
-            "draws."
+            "Used by the random designs ('systematic', 'poisson', 'stratified', 'balanced') and by prompt pruning's "
+            "acceptance draws."
         },
     )
 
@@ -162,6 +175,11 @@ class DPPOConfig(GRPOConfig):
         gamma = self.score_length_exponent
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not -2.0 <= gamma <= 2.0:
             raise ValueError(f"score_length_exponent={gamma!r} is invalid: it must be a number in [-2, 2].")
+        error = self.adaptive_keep_error
+        if error is not None and (
+            isinstance(error, bool) or not isinstance(error, (int, float)) or not 0.0 < float(error) < math.inf
+        ):
+            raise ValueError(f"adaptive_keep_error={error!r} is invalid: it must be None or a number > 0.")
         if self.prune_seed is not None and (
             isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
         ):
@@ -220,6 +238,8 @@ class DPPOConfig(GRPOConfig):
             not self.completion_pruning or self.prune_sampling == "zero_variance"
         ):
             unused.append(f"score_length_exponent={self.score_length_exponent!r} is not used with {why}")
+        if deterministic and self.adaptive_keep_error is not None:
+            unused.append(f"adaptive_keep_error={self.adaptive_keep_error!r} is not used with {why}")
         if deterministic and self.prune_seed is not None and not self.prompt_pruning:
             unused.append(f"prune_seed={self.prune_seed!r} is not used with {why} and prompt_keep_rate=1.0")
         if self.prune_sampling == "zero_variance" and self.completion_keep_rate not in (_DEFAULT_KEEP_RATE, 1.0):

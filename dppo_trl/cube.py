@@ -39,6 +39,17 @@ def _kernel_vector(constraints: np.ndarray) -> np.ndarray | None:
     return vh[-1] if rank < m else None
 
 
+def _shortest_dependent_prefix(rows: np.ndarray) -> int:
+    """The fewest leading rows (of ``rows``: undecided rows x columns) that outnumber the columns they touch, so
+    that they are linearly dependent (every row when none do). Rows sorted by group touch few group columns, so
+    each step solves a small system."""
+    if rows.shape[1] == 0:
+        return 1
+    touched = np.logical_or.accumulate(rows != 0, axis=0).sum(axis=1)
+    enough = np.flatnonzero(np.arange(1, len(rows) + 1) > touched)
+    return int(enough[0]) + 1 if enough.size else len(rows)
+
+
 def scaled_balancing_variables(pi: torch.Tensor, x: torch.Tensor) -> np.ndarray:
     """``z = x / pi`` row-wise (0 where ``pi == 0``: such a row is decided from the start), float64."""
     pi_, x_ = pi.detach().to(torch.float64).numpy(), x.detach().to(torch.float64).numpy()
@@ -49,14 +60,14 @@ def cube_step(p: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, np.ndarray, flo
     """One step from the point ``p``: ``(up, down, q, k)``, the walk moves to ``up`` with probability ``q`` and
     to ``down`` otherwise, ``q * up + (1 - q) * down == p``, and ``z^T up == z^T down == z^T p`` on the first
     ``k`` columns of ``z`` (``scaled_balancing_variables``). ``k`` is the most columns with a kernel vector over
-    the first ``k + 1`` undecided rows: every column in the flight, fewer in the landing. Once ``k`` columns
-    fail they fail at every later point (fewer undecided rows), so the caller passes ``z[:, :k]`` on. None when
-    every row is decided."""
+    the undecided rows (found on the shortest leading run of them that must have one): every column in the
+    flight, fewer in the landing. Once ``k`` columns fail they fail at every later point (fewer undecided rows),
+    so the caller passes ``z[:, :k]`` on. None when every row is decided."""
     undecided = np.flatnonzero((p > DECIDED_TOLERANCE) & (p < 1.0 - DECIDED_TOLERANCE))
     if undecided.size == 0:
         return None
     for k in range(z.shape[1], -1, -1):
-        moved = undecided[: k + 1]
+        moved = undecided[: _shortest_dependent_prefix(z[undecided, :k])]
         u = _kernel_vector(z[moved, :k].T)
         if u is not None:
             break

@@ -11,6 +11,7 @@ contribute exactly zero to the loss. Then ``E[sum_n keep_n * w_n * l_n] = sum_n 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -308,6 +309,34 @@ class PruneProblem:
         return pi
 
 
+def pruning_relative_error(pi: torch.Tensor, scores: torch.Tensor) -> float:
+    """The pruning noise of the Horvitz-Thompson estimate relative to the full batch's gradient, if the rows'
+    gradients were orthogonal with norms proportional to ``scores``: ``sqrt(sum (1/pi - 1) s^2 / sum s^2)`` over
+    the rows that can be kept (``pi > 0``); the exact relative standard deviation under Poisson sampling, 0 when
+    nothing scores."""
+    live = pi > 0
+    s2 = scores.detach().to(torch.float64)[live] ** 2
+    total = float(s2.sum())
+    return math.sqrt(float(((1.0 / pi[live].to(torch.float64) - 1.0) * s2).sum()) / total) if total > 0 else 0.0
+
+
+def adaptive_keep_rate(problem: PruneProblem, target: float, tolerance: float = 1e-3) -> float:
+    """The smallest keep rate from ``problem.keep_rate`` up to 1 whose keep probabilities have
+    ``pruning_relative_error <= target`` (the error falls as the rate rises: every ``pi`` rises), to ``tolerance``
+    (the returned rate meets the target; at rate 1 every eligible row is kept and the error is 0)."""
+
+    def error(rate: float) -> float:
+        return pruning_relative_error(dataclasses.replace(problem, keep_rate=rate).keep_probabilities(), problem.scores)
+
+    low, high = problem.keep_rate, 1.0
+    if error(low) <= target:
+        return low
+    while high - low > tolerance:
+        middle = 0.5 * (low + high)
+        low, high = (low, middle) if error(middle) <= target else (middle, high)
+    return high
+
+
 Design = Callable[[PruneProblem, torch.Generator], tuple[torch.Tensor, "torch.Tensor | None"]]
 _DESIGNS: dict[str, tuple[Design, bool]] = {}
 
@@ -386,13 +415,24 @@ def balancing_variables(pi: torch.Tensor, problem: PruneProblem, generator: torc
     return torch.cat([first[:, None], per_group, last[:, None]], dim=1)
 
 
+def grouped_order(groups: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Rows sorted by group, the groups and the rows within each in a random order: ``balanced`` walks them so,
+    and each step of its walk then touches few groups' balancing variables (a small system to solve)."""
+    group_ids = torch.unique(groups)
+    rank = torch.empty(int(group_ids.max()) + 1, dtype=torch.long)
+    rank[group_ids] = torch.randperm(group_ids.numel(), generator=generator)
+    shuffled = torch.randperm(groups.numel(), generator=generator)
+    return shuffled[torch.argsort(rank[groups[shuffled]], stable=True)]
+
+
 @register_design("balanced", unbiased=True)
 def _balanced(problem: PruneProblem, generator: torch.Generator):
     """The cube method (``cube.cube_sample``) on ``balancing_variables``: row ``n`` is kept with probability
     exactly ``pi[n]``, and the budget, each group's advantage sum and the other cost are met as closely as
     the landing allows (the first columns the most closely)."""
     pi = problem.keep_probabilities()
-    return cube_sample(pi, balancing_variables(pi, problem, generator), generator), pi
+    x = balancing_variables(pi, problem, generator)
+    return cube_sample(pi, x, generator, order=grouped_order(problem.groups, generator)), pi
 
 
 @register_design("topk", unbiased=False)

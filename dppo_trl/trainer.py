@@ -25,6 +25,7 @@ The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing``, ``dppo_trl.prompts
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from datasets import IterableDataset
@@ -56,13 +57,16 @@ from .pruning import (
     SEQUENCE_MEAN_LOSS_TYPES,
     PruneProblem,
     adaptive_entropy_coef,
+    adaptive_keep_rate,
     effective_sample_size,
     full_batch_normalizer,
     get_design,
     horvitz_thompson_weights,
     microbatch_sizes,
     prompt_weighted_token_count,
+    pruning_relative_error,
     trl_microbatch_normalizer,
+    unbiased_designs,
     vllm_importance_sampling_ratio,
     zero_spread_rows,
 )
@@ -387,32 +391,41 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         self._gather_row_tokens(output)
         lengths = self._row_tokens[:, :2].sum(1)
         loss_tokens = self._row_tokens[:, 2]
-        pi = None
+        pi, self._prune_summary = None, None
         if not self.args.completion_pruning:  # packing only: every row, weight 1
             keep = torch.ones_like(scores, dtype=torch.bool)
         else:
-            # A row with A == 0 contributes exactly zero unless a term without A (KL, entropy bonus) is on; a row
-            # without loss tokens (e.g. masked as truncated) contributes nothing at all.
-            problem = PruneProblem(
-                advantages=scores,  # signed where TRL's advantages are one per row
-                costs=lengths,
-                groups=torch.arange(scores.numel()) // self.num_generations,
-                rewards=None if self._last_rewards_per_func is None else self._aggregated_rewards(),
-                keep_rate=self.args.completion_keep_rate,
-                keep_floor=self.args.keep_floor,
-                zero_score_contributes=self.beta != 0.0 or self._entropy_bonus_enabled,
-                contributes_nothing=loss_tokens == 0,
-                budget_in_tokens=self.args.keep_budget == "tokens",
-                length_exponent=float(self.args.score_length_exponent),
-            )
+            problem = self._prune_problem(scores, lengths, loss_tokens)
             generator = torch.Generator().manual_seed(self._prune_seed())
             keep, pi = get_design(self.args.prune_sampling)(problem, generator)
+            if pi is not None:
+                self._prune_summary = (problem.keep_rate, pruning_relative_error(pi, problem.scores))
         weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
         self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
         world = self.accelerator.num_processes
         per_rank = zip(lengths.view(world, local_rows), keep.view(world, local_rows))
         self._kept_lengths_per_rank = [rank_lengths[kept].tolist() for rank_lengths, kept in per_rank]
         return keep, weights, pi
+
+    def _prune_problem(self, scores, lengths, loss_tokens) -> PruneProblem:
+        """What the design sees of the generation batch; with ``adaptive_keep_error``, at the batch's own rate."""
+        # A row with A == 0 contributes exactly zero unless a term without A (KL, entropy bonus) is on; a row
+        # without loss tokens (e.g. masked as truncated) contributes nothing at all.
+        problem = PruneProblem(
+            advantages=scores,  # signed where TRL's advantages are one per row
+            costs=lengths,
+            groups=torch.arange(scores.numel()) // self.num_generations,
+            rewards=None if self._last_rewards_per_func is None else self._aggregated_rewards(),
+            keep_rate=self.args.completion_keep_rate,
+            keep_floor=self.args.keep_floor,
+            zero_score_contributes=self.beta != 0.0 or self._entropy_bonus_enabled,
+            contributes_nothing=loss_tokens == 0,
+            budget_in_tokens=self.args.keep_budget == "tokens",
+            length_exponent=float(self.args.score_length_exponent),
+        )
+        if self.args.adaptive_keep_error is None or self.args.prune_sampling not in unbiased_designs():
+            return problem
+        return dataclasses.replace(problem, keep_rate=adaptive_keep_rate(problem, self.args.adaptive_keep_error))
 
     def _gather_row_tokens(self, output) -> None:
         """Every rank's per-row token counts (prompt, completion, loss tokens: ``_row_tokens``, one row per row of
@@ -439,6 +452,9 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         metrics["dppo/weight_max"].append(float(weights.max()) if n else 0.0)
         if pi is not None:
             metrics["dppo/expected_keep_fraction"].append(float(pi.sum()) / n)
+        if self._prune_summary is not None:
+            metrics["dppo/keep_rate"].append(self._prune_summary[0])
+            metrics["dppo/pruning_error"].append(self._prune_summary[1])
         # Work of the log-prob and loss passes scales with the sequence tokens they see.
         metrics["dppo/compute_saved"].append(1.0 - float(sequence[keep].sum() / sequence.sum().clamp(min=1)))
 

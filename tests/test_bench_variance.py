@@ -1,5 +1,6 @@
 """bench_variance: the estimator math against explicit vector arithmetic, and a minimal run of the program."""
 
+import dataclasses
 import json
 import math
 import sys
@@ -12,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 import bench_variance as bv  # noqa: E402
 
-from dppo_trl.pruning import horvitz_thompson_weights, systematic_sample  # noqa: E402
+from dppo_trl.pruning import adaptive_keep_rate, horvitz_thompson_weights, systematic_sample  # noqa: E402
 
 
 def random_pool(batches=3, rows=6, params=9, seed=0):
@@ -128,11 +129,14 @@ def test_design_grammar_and_its_errors(capsys):
     assert bv.parse_design("stratified+tokens@0.4") == bv.DesignSpec("stratified", 0.4, True, 0.0)
     assert bv.parse_design("dppo+prompt@0.5") == bv.DesignSpec("dppo+prompt", 0.5)
     assert bv.parse_design("zero_variance") == bv.DesignSpec("zero_variance")
+    assert bv.parse_design("stratified+e0.3@0.25") == bv.DesignSpec("stratified", 0.25, error=0.3)
+    assert bv.parse_design("systematic+g0.1+tokens@0.5") == bv.DesignSpec("systematic", 0.5, True, 0.1)
     assert bv.parse_design("grpo").rate is None and bv.parse_design("topk@0.5").rate == 0.5
     for name in bv.unbiased_designs():
         assert bv.parse_design(f"{name}+tokens@0.4") == bv.DesignSpec(name, 0.4, True), name
     bad = ("tokens@0.4", "nope@0.5", "systematic", "grpo@0.5", "systematic@1.5", "systematic@x", "systematic+g@0.5",
-           "systematic+g0.1+tokens@0.5", "topk+tokens@0.5", "prompt")  # fmt: skip
+           "systematic+g0.1+g0.2@0.5", "systematic+e0@0.5", "systematic+e-1@0.5", "systematic+x@0.5",
+           "topk+tokens@0.5", "prompt")  # fmt: skip
     for design in bad:
         with pytest.raises(ValueError, match="is invalid.*expected .*'systematic'"):
             bv.parse_design(design)
@@ -142,7 +146,10 @@ def test_design_grammar_and_its_errors(capsys):
     with pytest.raises(SystemExit):
         bv.main(["--designs", "grpo", "tokens@0.4"])
     err = capsys.readouterr().err
-    assert "'tokens' is not a registered sampling design" in err and "<design>[+tokens][+g<gamma>]@<rate>" in err
+    assert (
+        "'tokens' is not a registered sampling design" in err
+        and "<design>[+tokens][+g<gamma>][+e<target>]@<rate>" in err
+    )
 
 
 def test_batch_problem_is_the_trainers():
@@ -162,9 +169,11 @@ def test_batch_problem_is_the_trainers():
     shared = bv.cached_problem(batch, bv.parse_design("systematic@0.5"), problems)
     bv.batch_draws("stratified@0.5", batch, problems, 3, ("k",), None)
     assert len(problems) == 1 and bv.cached_problem(batch, bv.parse_design("poisson@0.5"), problems) is shared
+    adaptive = bv.batch_problem(batch, bv.parse_design("stratified+e0.2@0.25"))
+    assert adaptive.keep_rate == adaptive_keep_rate(dataclasses.replace(adaptive, keep_rate=0.25), 0.2)
 
 
-@pytest.mark.parametrize("variant", ["@0.5", "+tokens@0.4", "+g-0.5@0.5"])
+@pytest.mark.parametrize("variant", ["@0.5", "+tokens@0.4", "+g-0.5@0.5", "+e0.3@0.25"])
 def test_registered_unbiased_designs_carry_inverse_pi(variant):
     """Every registered unbiased design, drawn through the benchmark: weight 1 / pi on kept rows, 0 elsewhere,
     and inclusion frequencies that match pi."""

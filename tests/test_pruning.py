@@ -15,13 +15,16 @@ from dppo_trl import pruning
 from dppo_trl.cube import cube_outcomes
 from dppo_trl.pruning import (
     PruneProblem,
+    adaptive_keep_rate,
     balancing_variables,
     effective_sample_size,
     full_batch_normalizer,
     get_design,
+    grouped_order,
     horvitz_thompson_weights,
     keep_probabilities,
     microbatch_sizes,
+    pruning_relative_error,
     sampling_designs,
     stratified_order,
     systematic_sample,
@@ -193,7 +196,8 @@ def test_balanced_is_exact_over_every_outcome_and_meets_its_budget(rate, tokens)
     pi, costs = problem.keep_probabilities(), problem.costs.double()
     g = torch.Generator().manual_seed(int(rate * 10))
     x = balancing_variables(pi, problem, g)
-    order = torch.randperm(12, generator=g)
+    order = grouped_order(problem.groups, g)
+    assert int((problem.groups[order][1:] != problem.groups[order][:-1]).sum()) == 2  # one run of rows per group
     inclusion, total = torch.zeros(12, dtype=torch.float64), 0.0
     outcomes = list(cube_outcomes(pi, x, order))
     for prob, keep in outcomes:
@@ -369,3 +373,35 @@ def test_compute_aware_scores_and_the_token_budget_reach_the_designs():
     assert float((pi * costs).sum()) == pytest.approx(0.5 * float(costs.sum()), rel=1e-12)
     keep, design_pi = get_design("stratified")(aware, torch.Generator().manual_seed(0))
     assert torch.equal(design_pi, pi) and not keep[pi == 0].any()
+
+
+def test_pruning_relative_error_is_the_relative_sd_of_poisson_sampling_over_orthogonal_gradients():
+    """Enumerating every Poisson mask: E ||sum_n (keep_n / pi_n - 1) s_n e_n||^2 / ||sum_n s_n e_n||^2."""
+    problem = signed_problem(keep_rate=0.4)
+    pi, s = problem.keep_probabilities(), problem.scores
+    live = (pi > 0).nonzero().flatten()
+    mse = 0.0
+    for bits in itertools.product([False, True], repeat=live.numel()):
+        keep = torch.zeros(12, dtype=torch.bool)
+        keep[live] = torch.tensor(bits)
+        prob = float(torch.where(keep, pi, 1 - pi)[live].prod())
+        mse += prob * float(((horvitz_thompson_weights(pi, keep) - 1.0)[live] * s[live]).pow(2).sum())
+    assert pruning_relative_error(pi, s) == pytest.approx(math.sqrt(mse / float(s[live].pow(2).sum())), rel=1e-12)
+    assert pruning_relative_error(torch.zeros(12, dtype=torch.float64), s) == 0.0
+
+
+def test_adaptive_keep_rate_is_the_smallest_rate_that_meets_the_target():
+    g = torch.Generator().manual_seed(0)
+    spread = torch.rand(64, generator=g, dtype=torch.float64) + 0.5  # signal in every row: a hard batch
+    peaked = torch.where(torch.arange(64) < 4, 10.0, 0.1).double()  # signal in four rows: an easy batch
+
+    def problem(a, rate=0.2):
+        return PruneProblem(a, torch.ones(64), torch.arange(64) // 8, None, rate, keep_floor=0.05)
+
+    def error(a, rate):
+        return pruning_relative_error(problem(a, rate).keep_probabilities(), a)
+
+    hard, easy = adaptive_keep_rate(problem(spread), 0.3), adaptive_keep_rate(problem(peaked), 0.3)
+    assert easy == 0.2 and error(peaked, 0.2) <= 0.3  # already met at completion_keep_rate: prune that much
+    assert 0.2 < hard < 1.0 and error(spread, hard) <= 0.3 < error(spread, hard - 2e-3)
+    assert adaptive_keep_rate(problem(spread), 1e-9) == pytest.approx(1.0, abs=1e-3)

@@ -9,7 +9,7 @@ from conftest import coarse_reward, cpu_config, random_reward
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.pruning import keep_probabilities
+from dppo_trl.pruning import keep_probabilities, pruning_relative_error
 
 
 class RecordingTrainer(DPPOTrainer):
@@ -329,6 +329,41 @@ def test_stratified_keeps_each_groups_and_signs_expected_count(tmp_path, tiny_mo
             for rows in (groups == g, (groups == g) & (adv > 0), (groups == g) & (adv < 0)):
                 total = float(expected_pi[rows].sum())
                 assert math.floor(total + 1e-6) <= int(keep[rows].sum()) <= math.ceil(total - 1e-6)
+
+
+def test_balanced_under_trls_defaults_meets_the_token_budget_with_1_over_pi_weights(tmp_path, tiny_model_dir,
+                                                                                  train_dataset):  # fmt: skip
+    """dapo, beta 0, gradient_accumulation_steps < steps_per_generation: weights are 1 / pi, and the kept
+    tokens are within one row of the token budget in every generation batch."""
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=4, loss_type="dapo",
+                    beta=0.0, steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                    prune_sampling="balanced", keep_budget="tokens", completion_keep_rate=0.5)  # fmt: skip
+    assert len(trainer.records) == 2
+    for r in trainer.records:
+        keep, weight = r["dppo_keep"], r["dppo_weight"].double()
+        tokens = (r["prompt_mask"].sum(1) + r["completion_mask"].sum(1)).double()
+        pi, _ = keep_probabilities(r["advantages"], 0.5, trainer.args.keep_floor, zero_score_contributes=False,
+                                   costs=tokens)  # fmt: skip
+        assert not keep[pi == 0].any()
+        torch.testing.assert_close(weight[keep], 1.0 / pi[keep], rtol=1e-5, atol=0)
+        assert abs(float(tokens[keep].sum()) - float((pi * tokens).sum())) < float(tokens.max())
+
+
+def test_an_adaptive_keep_rate_meets_its_error_target_with_1_over_pi_weights(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, completion_keep_rate=0.2,
+                    adaptive_keep_error=0.4, per_device_train_batch_size=16)  # fmt: skip
+    logged = [entry for entry in trainer.state.log_history if "dppo/keep_rate" in entry]  # one batch per step
+    rates, errors = [e["dppo/keep_rate"] for e in logged], [e["dppo/pruning_error"] for e in logged]
+    assert len(rates) == len(trainer.records) == 2 and all(0.2 <= r <= 1.0 for r in rates)
+    assert any(r > 0.2 for r in rates)  # these batches need more than completion_keep_rate to meet 0.4
+    for r, rate, error in zip(trainer.records, rates, errors):
+        keep, weight, scores = r["dppo_keep"], r["dppo_weight"].double(), r["advantages"].double().abs()
+        pi, _ = keep_probabilities(scores, rate, trainer.args.keep_floor, zero_score_contributes=False)
+        torch.testing.assert_close(weight[keep], 1.0 / pi[keep], rtol=1e-5, atol=0)
+        assert error <= 0.4 and error == pytest.approx(pruning_relative_error(pi, scores), rel=1e-5)
+        if rate > 0.2:  # raised: 1e-3 below it the error is above the target
+            lower, _ = keep_probabilities(scores, rate - 2e-3, trainer.args.keep_floor, zero_score_contributes=False)
+            assert pruning_relative_error(lower, scores) > 0.4
 
 
 def test_a_token_budget_and_compute_aware_scores_set_the_weights(tmp_path, tiny_model_dir, train_dataset):

@@ -17,6 +17,7 @@ from dppo_trl.cube import cube_outcomes
 from dppo_trl.pruning import (
     PruneProblem,
     balancing_variables,
+    grouped_order,
     horvitz_thompson_weights,
     keep_probabilities,
     stratified_order,
@@ -139,7 +140,7 @@ def balanced_outcomes(pi, advantages, lengths, groups, seed=3):
     g = torch.Generator().manual_seed(seed)
     x = balancing_variables(pi, problem, g)
     merged = {}  # leaves with the same kept rows: one loss pass
-    for prob, keep in cube_outcomes(pi, x, torch.randperm(pi.numel(), generator=g)):
+    for prob, keep in cube_outcomes(pi, x, grouped_order(groups, g)):
         merged[tuple(keep.tolist())] = merged.get(tuple(keep.tolist()), 0.0) + prob
     for rows, prob in merged.items():
         keep = torch.tensor(rows)
