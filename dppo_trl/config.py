@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .pruning import SUPPORTED_LOSS_TYPES, get_design, sampling_designs, unbiased_designs
+from .pruning import SUPPORTED_LOSS_TYPES, default_length_exponent, get_design, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
 
 _DEFAULT_KEEP_RATE = 0.5
 _DEFAULT_KEEP_FLOOR = 0.05
+_DEFAULT_SAMPLING = "stratified"  # chosen from make bench-variance and make bench-reasoning (docs/benchmarks.md)
 _DEFAULT_PROMPT_KEEP_FLOOR = 0.1
 _DEFAULT_PROMPT_HISTORY_DECAY = 0.5
 KEEP_BUDGETS = ("rows", "tokens")
@@ -52,15 +53,18 @@ class DPPOConfig(GRPOConfig):
         },
     )
     prune_sampling: str = field(
-        default="systematic",
+        default=_DEFAULT_SAMPLING,
         metadata={
-            "help": "How the kept rows are drawn. 'systematic': fixed-size probability-proportional-to-size "
-            "sampling (unbiased, 1/pi weights, predictable work); 'poisson': independent Bernoulli(pi) "
-            "(unbiased, 1/pi weights); 'stratified': systematic over rows sorted by group, sign of A and "
-            "length, so each group and sign keeps its expected count up to one row (unbiased, 1/pi weights); "
-            "'topk': CPPO's biased rule, keep the largest |A| with no weights; 'zero_variance': DAPO-style biased "
-            "filter, drop groups whose rewards are all equal, no weights. Any name registered with "
-            "`dppo_trl.pruning.register_design` is accepted.",
+            "help": "How the kept rows are drawn (default 'stratified': the most efficient per unit of compute of "
+            "the unbiased designs in `make bench-variance`). 'stratified': systematic sampling over rows sorted "
+            "by group, sign of A and length, so each group and sign keeps its expected count up to one row; "
+            "'systematic': fixed-size probability-proportional-to-size sampling over a random order; 'poisson': "
+            "independent Bernoulli(pi); 'balanced': the cube method on the budget, each group's advantages and "
+            "the other cost, so the kept count (or tokens) meets its budget and each group's reweighted "
+            "advantages nearly sum to the group's (~20 ms per 128 rows); all four exactly unbiased with 1/pi "
+            "weights. 'topk': CPPO's biased rule, keep the largest |A| with no weights; 'zero_variance': "
+            "DAPO-style biased filter, drop groups whose rewards are all equal, no weights. Any name registered "
+            "with `dppo_trl.pruning.register_design` is accepted.",
             "choices": list(sampling_designs()),
         },
     )
@@ -73,12 +77,14 @@ class DPPOConfig(GRPOConfig):
             "choices": list(KEEP_BUDGETS),
         },
     )
-    score_length_exponent: float = field(
-        default=0.0,
+    score_length_exponent: float | None = field(
+        default=None,
         metadata={
             "help": "gamma of the compute-aware keep scores |A| x L^gamma (L: the row's prompt + completion "
-            "tokens), in [-2, 2]; 0 scores |A|. Under a token budget the variance-optimal keep probabilities are "
-            "proportional to ||g|| / sqrt(L). Used by the unbiased designs and 'topk'.",
+            "tokens), a number in [-2, 2]; 0 scores |A|. None (default): by loss_type, -0.5 for the per-sequence "
+            "means ('grpo', 'sapo'), 0 for the token sums ('dapo' and the others), the best of each measured by "
+            "`make bench-variance` (and 0 for 'topk', CPPO's |A|). Under a token budget the variance-optimal keep "
+            "probabilities are proportional to ||g|| / sqrt(L). Used by the unbiased designs and 'topk'.",
         },
     )
     adaptive_keep_error: float | None = field(
@@ -156,6 +162,14 @@ class DPPOConfig(GRPOConfig):
         return self.prune_sampling == "zero_variance" or self.completion_keep_rate < 1.0
 
     @property
+    def length_exponent(self) -> float:
+        """``score_length_exponent``, or when None its default for ``loss_type`` (an unbiased design; ``topk``
+        keeps CPPO's ``|A|``)."""
+        if self.score_length_exponent is not None:
+            return float(self.score_length_exponent)
+        return default_length_exponent(self.loss_type) if self.prune_sampling in unbiased_designs() else 0.0
+
+    @property
     def prompt_pruning(self) -> bool:
         """Whether prompt pruning (before rollout) is on."""
         return self.prompt_keep_rate < 1.0
@@ -173,8 +187,10 @@ class DPPOConfig(GRPOConfig):
         if self.keep_budget not in KEEP_BUDGETS:
             raise ValueError(f"keep_budget={self.keep_budget!r} is invalid: it must be one of {list(KEEP_BUDGETS)}.")
         gamma = self.score_length_exponent
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not -2.0 <= gamma <= 2.0:
-            raise ValueError(f"score_length_exponent={gamma!r} is invalid: it must be a number in [-2, 2].")
+        if gamma is not None and (
+            isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not -2 <= gamma <= 2
+        ):
+            raise ValueError(f"score_length_exponent={gamma!r} is invalid: it must be None or a number in [-2, 2].")
         error = self.adaptive_keep_error
         if error is not None and (
             isinstance(error, bool) or not isinstance(error, (int, float)) or not 0.0 < float(error) < math.inf
@@ -228,13 +244,13 @@ class DPPOConfig(GRPOConfig):
             unused.append(f"max_packed_tokens={self.max_packed_tokens!r} is not used with packing=False")
         deterministic = not self.completion_pruning or self.prune_sampling not in unbiased_designs()
         why = "completion_keep_rate=1.0" if not self.completion_pruning else f"prune_sampling={self.prune_sampling!r}"
-        if not self.completion_pruning and self.prune_sampling != "systematic":
+        if not self.completion_pruning and self.prune_sampling != _DEFAULT_SAMPLING:
             unused.append(f"prune_sampling={self.prune_sampling!r} is not used while completion_keep_rate=1.0")
         if deterministic and self.keep_floor != _DEFAULT_KEEP_FLOOR:
             unused.append(f"keep_floor={self.keep_floor!r} is not used with {why}")
         if deterministic and self.keep_budget != "rows":
             unused.append(f"keep_budget={self.keep_budget!r} is not used with {why}")
-        if self.score_length_exponent != 0.0 and (
+        if self.score_length_exponent is not None and (
             not self.completion_pruning or self.prune_sampling == "zero_variance"
         ):
             unused.append(f"score_length_exponent={self.score_length_exponent!r} is not used with {why}")

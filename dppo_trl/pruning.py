@@ -180,6 +180,13 @@ SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
 
 
+def default_length_exponent(loss_type: str) -> float:
+    """``score_length_exponent``'s default: -0.5 for the per-sequence means (a row's gradient is a token mean,
+    ``||g|| ~ |A| / sqrt(L)``), 0 for the token sums (``||g|| ~ |A| sqrt(L)``); the best of each measured by
+    ``make bench-variance`` (``docs/benchmarks.md``)."""
+    return -0.5 if loss_type in SEQUENCE_MEAN_LOSS_TYPES else 0.0
+
+
 def full_batch_normalizer(
     loss_type: str,
     rows_per_microbatch: int,

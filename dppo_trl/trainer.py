@@ -421,7 +421,7 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
             zero_score_contributes=self.beta != 0.0 or self._entropy_bonus_enabled,
             contributes_nothing=loss_tokens == 0,
             budget_in_tokens=self.args.keep_budget == "tokens",
-            length_exponent=float(self.args.score_length_exponent),
+            length_exponent=self.args.length_exponent,
         )
         if self.args.adaptive_keep_error is None or self.args.prune_sampling not in unbiased_designs():
             return problem

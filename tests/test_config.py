@@ -43,9 +43,15 @@ def test_defaults():
     assert (cfg.completion_keep_rate, cfg.keep_floor, cfg.prune_sampling, cfg.prune_seed) == (
         0.5,
         0.05,
-        "systematic",
+        "stratified",
         None,
     )
+    # the length exponent by loss_type: -0.5 for the per-sequence means, 0 for the token sums; set: as given
+    assert cfg.loss_type == "dapo" and cfg.score_length_exponent is None and cfg.length_exponent == 0.0
+    assert make(loss_type="grpo").length_exponent == -0.5 and make(loss_type="sapo").length_exponent == -0.5
+    assert make(loss_type="grpo", score_length_exponent=0).length_exponent == 0.0
+    assert make(loss_type="grpo", prune_sampling="topk").length_exponent == 0.0  # CPPO's rule stays |A|
+    assert cfg.keep_budget == "rows" and cfg.adaptive_keep_error is None
     assert cfg.completion_pruning
     assert not make(completion_keep_rate=1.0).completion_pruning
     assert make(completion_keep_rate=1.0, prune_sampling="zero_variance").completion_pruning
