@@ -1,8 +1,8 @@
 """Reasoning-shaped benchmark: GRPO (TRL's trainer), packing alone, DPPO (the default design `stratified`, then
-`systematic` and `balanced`), DPPO + prompt pruning, CPPO's `topk` and the `zero_variance` filter, each trained the same
-number of epochs over the same training set (the paper's protocol), timed with generation included, on the
-countdown task (`dppo_trl.countdown`: `"58="` -> `"58,51,...,2#2"`, long-tailed completion lengths, many
-zero-variance groups) from one warm-started tiny Qwen2.
+`systematic`, `balanced` and the adaptive keep rate), DPPO + prompt pruning, CPPO's `topk` and the
+`zero_variance` filter, each trained the same number of epochs over the same training set (the paper's
+protocol), timed with generation included, on the countdown task (`dppo_trl.countdown`: `"58="` ->
+`"58,51,...,2#2"`, long-tailed completion lengths, many zero-variance groups) from one warm-started tiny Qwen2.
 
 TRL's defaults where they matter: `loss_type="dapo"`, `beta=0`, `num_generations=8`, and
 `steps_per_generation` (4) larger than `gradient_accumulation_steps` (2). Greedy held-out accuracy (weighted to
@@ -44,6 +44,7 @@ METHODS = {
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
     "systematic": dict(prune_sampling="systematic", completion_keep_rate=0.5),
     "balanced": dict(prune_sampling="balanced", completion_keep_rate=0.5),
+    "adaptive": dict(completion_keep_rate=0.25, adaptive_keep_error=0.5),
     "topk": dict(prune_sampling="topk", completion_keep_rate=0.5),
     "zero_variance": dict(prune_sampling="zero_variance"),
 }

@@ -4,8 +4,8 @@ No TRL import here. Every function works on plain 1-D tensors over the rows of O
 (all ranks together), so that every rank, given the same inputs and generator, makes the same decision.
 
 Sampling designs are registered by name (``register_design``); ``prune_sampling`` picks one. Invariant of the
-unbiased designs (``systematic``, ``poisson``, ``stratified``, ``balanced``): row ``n`` is kept with probability exactly
-``pi[n]``; a kept row carries the weight ``1 / pi[n]``; a row with ``pi[n] == 0`` is never kept and must
+unbiased designs (``stratified``, ``systematic``, ``poisson``, ``balanced``): row ``n`` is kept with probability
+exactly ``pi[n]``; a kept row carries the weight ``1 / pi[n]``; a row with ``pi[n] == 0`` is never kept and must
 contribute exactly zero to the loss. Then ``E[sum_n keep_n * w_n * l_n] = sum_n l_n`` for any ``l``.
 """
 
@@ -386,13 +386,19 @@ def _poisson(problem: PruneProblem, generator: torch.Generator):
     return poisson_sample(pi, generator), pi
 
 
+def random_group_ranks(groups: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``rank[g]``: the position of group ``g`` in a random order of the groups present."""
+    group_ids = torch.unique(groups)
+    rank = torch.empty(int(group_ids.max()) + 1, dtype=torch.long)
+    rank[group_ids] = torch.randperm(group_ids.numel(), generator=generator)
+    return rank
+
+
 def stratified_order(advantages: torch.Tensor, costs: torch.Tensor, groups: torch.Tensor,
                      generator: torch.Generator) -> torch.Tensor:  # fmt: skip
     """Rows sorted by group (the groups in a random order), then by the sign of the advantage (positive first),
     then by length (longest first): consecutive intervals of ``stratified``'s systematic pass."""
-    group_ids = torch.unique(groups)
-    rank = torch.empty(int(group_ids.max()) + 1, dtype=torch.long)
-    rank[group_ids] = torch.randperm(group_ids.numel(), generator=generator)
+    rank = random_group_ranks(groups, generator)
     sign = torch.sign(advantages.detach()).tolist()
     keys = [(int(rank[g]), -sign[n], -float(c), n) for n, (g, c) in enumerate(zip(groups.tolist(), costs.tolist()))]
     return torch.tensor([key[-1] for key in sorted(keys)], dtype=torch.long)
@@ -425,9 +431,7 @@ def balancing_variables(pi: torch.Tensor, problem: PruneProblem, generator: torc
 def grouped_order(groups: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Rows sorted by group, the groups and the rows within each in a random order: ``balanced`` walks them so,
     and each step of its walk then touches few groups' balancing variables (a small system to solve)."""
-    group_ids = torch.unique(groups)
-    rank = torch.empty(int(group_ids.max()) + 1, dtype=torch.long)
-    rank[group_ids] = torch.randperm(group_ids.numel(), generator=generator)
+    rank = random_group_ranks(groups, generator)
     shuffled = torch.randperm(groups.numel(), generator=generator)
     return shuffled[torch.argsort(rank[groups[shuffled]], stable=True)]
 
