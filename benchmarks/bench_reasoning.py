@@ -10,7 +10,7 @@ the training distribution) at fixed points of data progress, outside the clock. 
 interleaved within each seed; ratios to GRPO of the same seed. Prints the table and writes JSON (and plots with
 ``--plots``).
 
-    make bench-reasoning                      # 2 seeds, tables + JSON + plots in docs/images (~50 min here)
+    make bench-reasoning                      # 2 seeds, tables + JSON + plots in docs/images (~55 min here)
     python benchmarks/bench_reasoning.py --seeds 0 --epochs 1 --methods grpo dppo
 """
 
