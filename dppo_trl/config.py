@@ -21,8 +21,13 @@ _DEFAULT_PROMPT_HISTORY_DECAY = 0.5
 KEEP_BUDGETS = ("rows", "tokens")
 
 
+def _is_number(value) -> bool:
+    """An int or float, not a bool (the range checks then compare it; NaN fails every comparison)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_unit_interval(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+    if not _is_number(value) or not 0.0 < float(value) <= 1.0:
         raise ValueError(f"{name}={value!r} is invalid: it must be a number in (0, 1].")
 
 
@@ -187,14 +192,10 @@ class DPPOConfig(GRPOConfig):
         if self.keep_budget not in KEEP_BUDGETS:
             raise ValueError(f"keep_budget={self.keep_budget!r} is invalid: it must be one of {list(KEEP_BUDGETS)}.")
         gamma = self.score_length_exponent
-        if gamma is not None and (
-            isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not -2 <= gamma <= 2
-        ):
+        if gamma is not None and (not _is_number(gamma) or not -2 <= gamma <= 2):
             raise ValueError(f"score_length_exponent={gamma!r} is invalid: it must be None or a number in [-2, 2].")
         error = self.adaptive_keep_error
-        if error is not None and (
-            isinstance(error, bool) or not isinstance(error, (int, float)) or not 0.0 < float(error) < math.inf
-        ):
+        if error is not None and (not _is_number(error) or not 0.0 < float(error) < math.inf):
             raise ValueError(f"adaptive_keep_error={error!r} is invalid: it must be None or a number > 0.")
         if self.prune_seed is not None and (
             isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
@@ -203,7 +204,7 @@ class DPPOConfig(GRPOConfig):
         _check_unit_interval("prompt_keep_rate", self.prompt_keep_rate)
         _check_unit_interval("prompt_keep_floor", self.prompt_keep_floor)
         decay = self.prompt_history_decay
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
+        if not _is_number(decay) or not 0.0 <= float(decay) < 1.0:
             raise ValueError(f"prompt_history_decay={decay!r} is invalid: it must be a number in [0, 1).")
         if not isinstance(self.packing, bool):
             raise ValueError(f"packing={self.packing!r} is invalid: it must be True or False.")
