@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints setup test test-multiprocess test-wheel demo bench bench-train bench-gpu bench-reasoning \
-	bench-variance clean
+	bench-variance docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ bench-reasoning: $(STAMP)
 # Gradient error per unit of compute of every estimator against the population gradient, float64 (~15 min here).
 bench-variance: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_variance.py
+
+# The benchmark tables and figures of docs/benchmarks.md and README.md, rewritten from benchmarks/results/*.json
+# (tests/test_docs_tables.py fails when they differ).
+docs: $(STAMP)
+	$(PY) benchmarks/render_docs.py --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

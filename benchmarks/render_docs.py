@@ -1,0 +1,530 @@
+"""Render the benchmark figures of docs/benchmarks.md and README.md from benchmarks/results/*.json, so that a
+number in the docs cannot drift from its recorded run.
+
+The docs mark each generated part with HTML comments (invisible once rendered); only the text between a pair of
+markers is rewritten, the prose around it stays hand-written:
+
+    <!-- generated: bench_balance -->             a table: a name of TABLES
+    ...
+    <!-- end generated -->
+    <!-- generated: bench_reasoning dppo time_per_epoch_ratio inv.2f -->1.98<!-- end generated -->
+    <!-- generated: grpo_gamma_gain -->+17%<!-- end generated -->      a name of SPANS (and its arguments)
+
+The inline form ``FILE KEY FIELD FORMAT`` reads ``benchmarks/results/FILE.json``: KEY names a row (``rows``: a
+method, ``loss/design``, ...; ``-`` the file's top level; ``K1:K2`` the ratio of FIELD in two rows; ``*`` the
+range of FIELD over every row), FIELD a path (dots for nesting, digits index lists; ``a/b`` the ratio of two
+fields), FORMAT a ``format()`` spec or ``k`` (thousands: ``203k``), after an optional prefix of OPS (``inv``
+1 / x, ``m1`` x - 1, ``c1`` 1 - x, ``min`` seconds to minutes).
+
+    python benchmarks/render_docs.py --check     # exit 1 (and a diff) when a doc differs from the JSON
+    python benchmarks/render_docs.py --write     # rewrite the generated parts (make docs)
+
+Every function here is pure: JSON in, markdown text out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ("README.md", "docs/benchmarks.md")
+
+# DPPOConfig's defaults as the labels state them (tests/test_docs_tables.py checks them against DPPOConfig).
+DEFAULT_DESIGN = "stratified"
+DEFAULT_KEEP_RATE = 0.5
+DEFAULT_PROMPT_KEEP_RATE = 1.0
+
+# The design a run's default-design rows (settings without `prune_sampling`) were drawn with, for runs made
+# before the default changed, told apart by their recorded elapsed_s. Any other run (a new one) is taken to
+# have used DEFAULT_DESIGN, the default of the code that renders it.
+RUN_DESIGNS = {
+    ("bench_reasoning", 2251.217349980001): "systematic",
+    ("bench_reasoning_designs", 1502.333647173): "systematic",
+    ("bench_e2e", 1431.5971197039999): "systematic",
+    ("bench_gpu", 5.897185185000126): "systematic",
+}
+BENCH_TRAIN_SYSTEMATIC_RUN = 8.993417888000295  # bench_train.json has no elapsed_s: GRPO's median s of 2026-12-01
+
+MARKER = re.compile(r"<!-- generated: (?P<spec>[^>]*?) -->(?P<body>.*?)<!-- end generated -->", re.DOTALL)
+
+# ------------------------------------------------------------------------------------------------ small helpers
+
+
+def load_results(directory: Path = RESULTS) -> dict[str, dict]:
+    """Every ``*.json`` of ``directory``, by file stem."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(directory).glob("*.json"))}
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table (no trailing newline)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def num(x: float | None, spec: str = ".3f") -> str:
+    """``x`` formatted, ``0`` for an exact (or float-noise) zero, ``-`` for None."""
+    if x is None:
+        return "-"
+    return "0" if abs(x) < 1e-12 else format(x, spec)
+
+
+def kilo(x: float) -> str:
+    return f"{x / 1000:.0f}k"
+
+
+def pm(mean: float, sd: float) -> str:
+    return f"{mean:.3f} ± {sd:.3f}"
+
+
+def span(values: list, spec: str = ".2f") -> str:
+    """``a-b`` (min-max), or one value when all are equal at this precision (``spec`` "": already formatted)."""
+    texts = [format(v, spec) if spec else v for v in values]
+    number = lambda t: float(t.rstrip("%xk"))  # noqa: E731
+    lo, hi = min(texts, key=number), max(texts, key=number)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+OPS = {"inv": lambda x: 1.0 / x, "m1": lambda x: x - 1.0, "c1": lambda x: 1.0 - x, "min": lambda x: x / 60.0}
+
+
+def fmt(value: float, spec: str) -> str:
+    """A value by an inline FORMAT: a ``format()`` spec or ``k`` (thousands), after an optional prefix of OPS:
+    ``inv`` (1 / x), ``m1`` (x - 1), ``c1`` (1 - x), ``min`` (seconds to minutes)."""
+    op = next((o for o in OPS if spec.startswith(o)), None)
+    x, spec = (OPS[op](value), spec[len(op) :]) if op else (value, spec)
+    return kilo(x) if spec == "k" else format(x, spec)
+
+
+def rows(name: str, data: dict) -> dict[str, dict]:
+    """The rows of one results file by key: a method (bench_reasoning*, bench_gpu), ``loss/design`` and
+    ``sft-<steps>`` (bench_variance), ``table/method`` (bench_e2e), ``world/keep`` (bench_balance), a variant
+    (bench_train); ``-`` is the whole file."""
+    out = {"-": data}
+    if name.startswith("bench_reasoning") or name == "bench_gpu":
+        out.update({r["method"]: r for r in data["results"]})
+    elif name == "bench_variance":
+        out.update({f"{r['loss_type']}/{r['design']}": r for r in data["summary"]})
+        out.update({f"sft-{c['steps']}": c for c in data["checkpoints"]})
+    elif name == "bench_e2e":
+        out.update({f"{t}/{r['method']}": r for t, table in data["tables"].items() for r in table})
+    elif name == "bench_balance":
+        out.update({f"{r['world']}/{r['keep_rate']}": r for r in data["results"]})
+    elif name == "bench_train":
+        out.update({r["variant"]: r for r in data["results"]})
+    return out
+
+
+def field(row, path: str):
+    """``row``'s value at a dotted ``path`` (digits index lists); ``a/b``: the ratio of two such values."""
+    if "/" in path:
+        top, bottom = path.split("/")
+        return field(row, top) / field(row, bottom)
+    for part in path.split("."):
+        row = row[int(part)] if part.isdigit() else row[part]
+    return row
+
+
+def value(results: dict, name: str, key: str, path: str, spec: str) -> str:
+    """An inline value of ``name``.json: KEY a row (``rows``); ``K1:K2`` the ratio of the field in two rows;
+    ``*`` its range (``span``) over every row of the file."""
+    table = rows(name, results[name])
+    if key == "*":
+        return span([fmt(field(r, path), spec) for k, r in table.items() if k != "-"], "")
+    if ":" in key:
+        top, bottom = key.split(":")
+        return fmt(field(table[top], path) / field(table[bottom], path), spec)
+    return fmt(field(table[key], path), spec)
+
+
+def run_design(name: str, data: dict) -> str:
+    """The design the default-design rows of this run were drawn with (RUN_DESIGNS, else the default now)."""
+    if name == "bench_train":
+        grpo = next(r for r in data["results"] if r["variant"] == "grpo")
+        return "systematic" if grpo["median_seconds"] == BENCH_TRAIN_SYSTEMATIC_RUN else DEFAULT_DESIGN
+    return RUN_DESIGNS.get((name, data.get("elapsed_s")), DEFAULT_DESIGN)
+
+
+def design_note(design: str) -> str:
+    return f"`{design}`, the default" if design == DEFAULT_DESIGN else f"`{design}`, the default then"
+
+
+def settings_text(settings: dict | None, design: str) -> str:
+    """A method's DPPOConfig settings as code, with the design that drew its rows when the settings leave it
+    to the default (and prune at all)."""
+    if settings is None:
+        return "TRL's `GRPOTrainer`"
+    text = ", ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in settings.items())
+    prunes = settings.get("completion_keep_rate", DEFAULT_KEEP_RATE) < 1.0
+    return f"`{text}`" + (f" ({design_note(design)})" if prunes and "prune_sampling" not in settings else "")
+
+
+# --------------------------------------------------------------------------------- bench_reasoning*.json tables
+
+
+def target_text(r: dict) -> str:
+    t = r["time_to_target_ratio"]
+    return f"not reached ({r['reached_target']})" if t is None else f"{t:.2f} ({r['reached_target']})"
+
+
+def reasoning_cells(r: dict, epochs: float) -> dict[str, str]:
+    """Every column a bench_reasoning table can show, for one method's row (``r``: medians over seeds)."""
+    grpo = r["settings"] is None
+    total = f"{r['time_per_epoch_ratio']:.3f}" + (f" ({r['total_s']:.0f} s for {epochs:g} epochs)" if grpo else "")
+    ideal = f"({r['ideal_training_ratio']:.3f}: its density)" if grpo else f"{r['ideal_training_ratio']:.3f}"
+    return {
+        "time": total,
+        "train": f"{r['training_phase_ratio']:.3f}",
+        "ideal": ideal,
+        "x_ideal": "-" if grpo else f"{r['training_phase_ratio'] / r['ideal_training_ratio']:.2f}",
+        "target": target_text(r),
+        "kept": f"{r['kept_fraction']:.2f}",
+        "tokens": kilo(r["trained_tokens"]),
+        "zero_var": f"{r['zero_variance_share']:.2f}",
+        "acc": pm(r["accuracy_mean"], r["accuracy_std"]),
+        "greedy": pm(r["greedy_mean"], r["greedy_std"]),
+        "gen_share": f"{r['phase_share']['generation']:.2f}",
+    }
+
+
+REASONING_HEADERS = {
+    "time": "time / GRPO (same epochs)",
+    "train": "training phase / GRPO",
+    "ideal": "ideal",
+    "x_ideal": "x ideal",
+    "target": "to target / GRPO (seeds reaching)",
+    "kept": "kept",
+    "tokens": "trained tokens ({epochs:g} epochs)",
+    "zero_var": "zero-var. groups",
+    "acc": "held-out acc. (sampled)",
+    "greedy": "greedy",
+    "gen_share": "generation share",
+}
+
+
+def reasoning_table(data: dict, columns: list[str], design: str, settings_column: bool = True) -> str:
+    """One row per method of a bench_reasoning run; ``columns`` from REASONING_HEADERS."""
+    epochs = data["config"]["epochs"]
+    header = ["method"] + (["settings"] if settings_column else []) + [
+        REASONING_HEADERS[c].format(epochs=epochs) for c in columns]  # fmt: skip
+    body = []
+    for r in data["results"]:
+        cells = reasoning_cells(r, epochs)
+        first = [r["method"]] + ([settings_text(r["settings"], design)] if settings_column else [])
+        body.append(first + [cells[c] for c in columns])
+    return md_table(header, body)
+
+
+def reasoning_seconds_table(data: dict) -> str:
+    """Seconds per run by phase (each the median over seeds), optimizer steps and the zero-variance share of the
+    first and last quarter of the generation batches (min-max over seeds)."""
+    labels = ("generation", "rewards + log-prob passes", "loss forward + backward", "other")
+    header = ["method", *[f"{x} (s)" for x in labels], "whole run (s)", "optimizer steps",
+              "zero-var. share, first quarter", "last quarter"]  # fmt: skip
+    body = []
+    for r in data["results"]:
+        seeds = data["per_seed"][r["method"]]
+        body.append(
+            [r["method"], *[f"{r['phase_s'][p]:.1f}" for p in ("generation", "scoring", "loss", "other")],
+             f"{r['total_s']:.1f}", span([s["optimizer_steps"] for s in seeds], ".0f"),
+             span([s["zero_variance_first_last"][0] for s in seeds]),
+             span([s["zero_variance_first_last"][1] for s in seeds])]  # fmt: skip
+        )
+    return md_table(header, body)
+
+
+SHORT_REASONING = ["time", "train", "ideal", "kept", "tokens", "target", "acc", "greedy"]
+FULL_REASONING = ["time", "train", "ideal", "x_ideal", "target", "kept", "tokens", "zero_var", "acc", "greedy",
+                  "gen_share"]  # fmt: skip
+
+# ------------------------------------------------------------------------------------ bench_variance.json tables
+
+VARIANCE_LABELS = {
+    "grpo": "grpo (the batch itself)",
+    "packing": "packing (every row)",
+    "systematic@0.5": "systematic@0.5 (0.1's default)",
+    "topk@0.5": "topk@0.5 (biased)",
+}
+
+
+def variance_label(design: str) -> str:
+    if design == f"{DEFAULT_DESIGN}@{DEFAULT_KEEP_RATE}":
+        return f"**{design} (the default)**"
+    return VARIANCE_LABELS.get(design, design + (" (adaptive)" if "+e" in design else ""))
+
+
+def bias_text(r: dict) -> str:
+    """The bias, bold where it exceeds 3x what the seeds alone give an unbiased design."""
+    text = num(r["bias"], ".4f")
+    return f"**{text}**" if r["bias"] > 3 * r["bias_noise"] else text
+
+
+def variance_table(data: dict, loss_type: str, full: bool = True) -> str:
+    """bench_variance's summary (means over checkpoints) for one loss type; ``full`` adds the balance columns."""
+    header = ["design", "kept rows", "compute / GRPO", "mse / GRPO", "bias", "noise", "**efficiency**", "/ oracle"]
+    header += ["rows sd", "tokens rel. sd", "group imbal."] if full else []
+    body = []
+    for r in (r for r in data["summary"] if r["loss_type"] == loss_type):
+        default = r["design"] == f"{DEFAULT_DESIGN}@{DEFAULT_KEEP_RATE}"
+        eff, oracle = f"{r['efficiency']:.2f}", f"{r['efficiency_to_oracle']:.2f}"
+        row = [variance_label(r["design"]), f"{r['kept_fraction']:.3f}", f"{r['compute_ratio']:.3f}",
+               f"{r['mse_ratio']:.3f}", bias_text(r), num(r["bias_noise"], ".4f"),
+               f"**{eff}**" if default else eff, f"**{oracle}**" if default else oracle]  # fmt: skip
+        if full:
+            row += [num(r["kept_rows_sd"], ".2f"), num(r["kept_tokens_rel_sd"]), num(r["group_imbalance"])]
+        body.append(row)
+    return md_table(header, body)
+
+
+def variance_checkpoints_table(data: dict) -> str:
+    """bench_variance's checkpoints: each pool's zero-variance share, accuracy and completion lengths."""
+    header = ["checkpoint", "rows", "zero-variance groups", "pool accuracy (sampled)", "completion tokens",
+              "median", "parameters"]  # fmt: skip
+    body = []
+    for c in data["checkpoints"]:
+        tokens = c["completion_tokens"]
+        body.append([f"sft-{c['steps']}", str(c["rows"]), f"{c['zero_variance_share']:.0%}",
+                     f"{c['pool_accuracy']:.2f}", f"{tokens['min']}-{tokens['max']}", f"{tokens['median']:.0f}",
+                     f"{c['parameters']:,}"])  # fmt: skip
+    return md_table(header, body)
+
+
+# --------------------------------------------------------------------------------------- bench_e2e.json tables
+
+E2E_LABELS = {
+    "dppo": "dppo (keep 0.5, {design})",
+    "dppo+prompt": "dppo + prompt pruning 0.5 ({design})",
+    "topk": "topk (CPPO, biased)",
+    "zero_variance": "zero_variance (DAPO filter, biased)",
+}
+
+
+def e2e_methods_table(data: dict) -> str:
+    """bench_e2e's methods at the fixed step budget (medians over its seeds, accuracy mean +- sd)."""
+    steps = data["config"]["steps"]
+    table = data["tables"]["methods"]
+    header = ["method", "s/step", "total time / GRPO", "training phase / GRPO",
+              "time to GRPO's final reward / GRPO (seeds reaching)", "kept", f"reward at {steps} steps",
+              f"held-out accuracy ({table[0]['seeds']} seeds)"]  # fmt: skip
+    design = f"`{run_design('bench_e2e', data)}`"
+    label = lambda method: E2E_LABELS.get(method, method).format(design=design)  # noqa: E731
+    body = [[label(r["method"]), f"{r['step_s']:.3f}", f"{r['total_ratio']:.3f}", f"{r['training_phase_ratio']:.3f}",
+             target_text(r), f"{r['kept_fraction']:.2f}", f"{r['final_reward']:.3f}",
+             pm(r["accuracy_mean"], r["accuracy_std"])] for r in table]  # fmt: skip
+    return md_table(header, body)
+
+
+def sweep_label(method: str, default: float, extra: dict[float, str]) -> str:
+    """``keep=0.5`` -> ``**0.5**`` (bold at DPPOConfig's default), ``grpo`` -> ``GRPO``."""
+    if method == "grpo":
+        return "GRPO"
+    value = float(method.split("=")[1])
+    text = f"{value:g}" + (".0" if value == int(value) else "") + (f" {extra[value]}" if value in extra else "")
+    return f"**{text}**" if value == default else text
+
+
+def e2e_sweep_table(data: dict, knob: str) -> str:
+    """One sweep of bench_e2e (``completion_keep_rate`` or ``prompt_keep_rate``), seeds of config sweep_seeds."""
+    steps = data["config"]["steps"]
+    prompt = knob == "prompt_keep_rate"
+    first = "`prompt_keep_rate` (with keep 0.5)" if prompt else "`completion_keep_rate`"
+    header = [first, "total time / GRPO"] + ([] if prompt else ["training phase / GRPO"]) + [
+        "time to target / GRPO", f"reward at {steps} steps", "held-out accuracy"]  # fmt: skip
+    default = DEFAULT_PROMPT_KEEP_RATE if prompt else DEFAULT_KEEP_RATE
+    extra = {1.0: "(off)"} if prompt else {1.0: "(packing only)"}
+    body = []
+    for r in data["tables"][knob]:
+        row = [sweep_label(r["method"], default, extra), f"{r['total_ratio']:.3f}"]
+        row += [] if prompt else [f"{r['training_phase_ratio']:.3f}"]
+        body.append(row + [target_text(r), f"{r['final_reward']:.3f}", pm(r["accuracy_mean"], r["accuracy_std"])])
+    return md_table(header, body)
+
+
+def e2e_grpo_shares(data: dict) -> str:
+    share = next(r for r in data["tables"]["methods"] if r["method"] == "grpo")["phase_share"]
+    labels = {"generation": "generation", "scoring": "rewards + log-prob passes", "loss": "loss forward + backward",
+              "other": "other"}  # fmt: skip
+    return ", ".join(f"{labels[p]} {share[p]:.2f}" for p in labels)
+
+
+# ------------------------------------------------------------------------ bench_balance, bench_gpu, bench_train
+
+
+def balance_table(data: dict) -> str:
+    """Kept tokens per rank, max / mean, before and after balance_ranks, per (ranks, keep rate)."""
+    header = ["ranks", "keep", "before: median", "before: p95", "after: median", "after: p95",
+              "batches within 10% after", "rows moved"]  # fmt: skip
+    body = [[str(r["world"]), str(r["keep_rate"]), f"{r['imbalance_before_median']:.3f}",
+             f"{r['imbalance_before_p95']:.3f}", f"{r['imbalance_after_median']:.3f}",
+             f"{r['imbalance_after_p95']:.3f}", f"{r['within_10_percent_after']:.0%}",
+             f"{r['rows_moved_fraction']:.1%}"] for r in data["results"]]  # fmt: skip
+    return md_table(header, body)
+
+
+def gpu_table(data: dict) -> str:
+    c = data["config"]
+    what = (f"`bash benchmarks/gpu.sh` ({c['model']} model, Qwen2 {c['hidden_size']}x{c['layers']}, completions "
+            f"<= {c['max_completion_length']}, {c['steps']} steps, {data['device']})")
+    by = {r["method"]: r for r in data["results"]}
+    header = ["command", "GRPO s/step", "DPPO s/step", "step ratio", "training-phase ratio"]
+    dppo = by["dppo"]
+    return md_table(header, [[what, f"{by['grpo']['step_s']:.3f}", f"{dppo['step_s']:.3f}",
+                              f"{dppo['step_ratio_to_grpo']:.3f}", f"{dppo['training_phase_ratio_to_grpo']:.3f}"]])
+
+
+def train_table(data: dict) -> str:
+    labels = {"dppo": "dppo (no packing)", "dppo+packing": "dppo + packing"}
+    header = ["variant", "real tokens", "allocated tokens", "density", "median s", "ratio to GRPO", "ideal", "x ideal"]
+    body = [[labels.get(r["variant"], r["variant"]), f"{r['real_tokens']:.0f}", f"{r['allocated_tokens']:.0f}",
+             f"{r['token_density']:.3f}", f"{r['median_seconds']:.3f}", f"{r['time_ratio_to_grpo']:.3f}",
+             f"{r['ideal_ratio']:.3f}", f"{r['time_ratio_to_grpo'] / r['ideal_ratio']:.2f}"]
+            for r in data["results"]]  # fmt: skip
+    return md_table(header, body)
+
+
+# ------------------------------------------------------------------------------------------ the registry
+
+
+def _reasoning(name, columns, settings=True):
+    return name, lambda d: reasoning_table(d, columns, run_design(name, d), settings)
+
+
+TABLES = {  # block name -> (results file, function of its JSON)
+    "bench_reasoning": _reasoning("bench_reasoning", FULL_REASONING),
+    "bench_reasoning_seconds": ("bench_reasoning", reasoning_seconds_table),
+    "bench_reasoning_designs": _reasoning("bench_reasoning_designs", SHORT_REASONING),
+    "bench_reasoning_adaptive": _reasoning("bench_reasoning_adaptive", SHORT_REASONING),
+    "bench_variance_checkpoints": ("bench_variance", variance_checkpoints_table),
+    "bench_variance_dapo": ("bench_variance", lambda d: variance_table(d, "dapo")),
+    "bench_variance_grpo": ("bench_variance", lambda d: variance_table(d, "grpo", full=False)),
+    "bench_e2e_methods": ("bench_e2e", e2e_methods_table),
+    "bench_e2e_completion_keep_rate": ("bench_e2e", lambda d: e2e_sweep_table(d, "completion_keep_rate")),
+    "bench_e2e_prompt_keep_rate": ("bench_e2e", lambda d: e2e_sweep_table(d, "prompt_keep_rate")),
+    "bench_balance": ("bench_balance", balance_table),
+    "bench_gpu": ("bench_gpu", gpu_table),
+    "bench_train": ("bench_train", train_table),
+}
+
+
+def efficiency(results: dict, key: str) -> float:
+    return rows("bench_variance", results["bench_variance"])[key]["efficiency"]
+
+
+MATCHED = ("@0.5", "+g-0.5@0.5", "+tokens@0.4", "+tokens+g-0.5@0.4")  # the designs bench_variance runs in pairs
+
+
+def stratified_gains(results: dict) -> list[float]:
+    """Efficiency of `stratified` over `systematic`, minus 1, in every matched pair and loss type."""
+    return [efficiency(results, f"{loss}/stratified{m}") / efficiency(results, f"{loss}/systematic{m}") - 1
+            for loss in ("dapo", "grpo") for m in MATCHED]  # fmt: skip
+
+
+def bias_verdict(results: dict, key: str) -> str:
+    """A design's bias against the noise level of its seeds, and which of the two it is."""
+    r = rows("bench_variance", results["bench_variance"])[key]
+    verdict = "a real bias" if r["bias"] > 3 * r["bias_noise"] else "at the noise level"
+    return f"{r['bias']:.2f} of the batch gradient's norm against noise {r['bias_noise']:.2f}: {verdict}"
+
+
+def rerun_seconds(results: dict) -> tuple[float, float]:
+    """The same `stratified` runs (same seeds, same masks) timed in two bench-reasoning runs: 2-epoch seconds."""
+    return (rows("bench_reasoning_adaptive", results["bench_reasoning_adaptive"])["dppo"]["total_s"],
+            rows("bench_reasoning_designs", results["bench_reasoning_designs"])["stratified"]["total_s"])  # fmt: skip
+
+
+def rerun_noise(results: dict) -> str:
+    """How much less time the faster of the two timings of the same runs took."""
+    a, b = rerun_seconds(results)
+    return f"{1 - min(a, b) / max(a, b):.0%}"
+
+
+def rerun_gap(results: dict) -> str:
+    a, b = rerun_seconds(results)
+    return f"{a:.0f} s against {b:.0f} s per 2-epoch run ({rerun_noise(results)} less)"
+
+
+def _design(name):
+    return lambda R: run_design(name, R[name])
+
+
+SPANS = {  # inline values that are not one field: name [arguments] -> function of every results file
+    "e2e_grpo_shares": lambda R: e2e_grpo_shares(R["bench_e2e"]),
+    "grpo_gamma_gain": lambda R: format(
+        efficiency(R, f"grpo/{DEFAULT_DESIGN}+g-0.5@0.5") / efficiency(R, f"grpo/{DEFAULT_DESIGN}@0.5") - 1, "+.0%"),
+    "stratified_wins": lambda R: f"{sum(g > 0 for g in stratified_gains(R))} of {len(stratified_gains(R))}",
+    "stratified_gains": lambda R: f"{min(stratified_gains(R)):+.1%} to {max(stratified_gains(R)):+.1%}",
+    "bias_verdict": bias_verdict,
+    "rerun_gap": rerun_gap,
+    "rerun_noise": rerun_noise,
+    "default_design": lambda R: DEFAULT_DESIGN,
+    **{f"design:{n}": _design(n) for n in ("bench_reasoning", "bench_reasoning_designs", "bench_reasoning_adaptive",
+                                           "bench_e2e", "bench_train", "bench_gpu")},  # fmt: skip
+}
+
+
+def render_spec(spec: str, results: dict) -> str:
+    """The text a marker's spec stands for: a table (between newlines), a SPANS value, or
+    ``FILE KEY FIELD FORMAT`` (``value``)."""
+    words = spec.split()
+    try:
+        if len(words) == 1 and words[0] in TABLES:
+            name, function = TABLES[words[0]]
+            return "\n" + function(results[name]) + "\n"
+        if words and words[0] in SPANS:
+            return SPANS[words[0]](results, *words[1:])
+        if len(words) == 4:
+            return value(results, *words)
+    except (KeyError, IndexError, TypeError) as err:
+        raise ValueError(f"generated part {spec!r}: nothing at {err} in benchmarks/results/") from None
+    raise ValueError(f"unknown generated part {spec!r}: a table {sorted(TABLES)}, a span {sorted(SPANS)}, "
+                     "or FILE KEY FIELD FORMAT")  # fmt: skip
+
+
+def render(text: str, results: dict) -> str:
+    """``text`` with every generated part replaced by what the JSON gives; the rest unchanged."""
+    return MARKER.sub(
+        lambda m: f"<!-- generated: {m['spec']} -->{render_spec(m['spec'], results)}<!-- end generated -->", text
+    )
+
+
+def stale(paths: list[Path], results: dict) -> dict[Path, str]:
+    """Docs whose generated parts differ from the JSON: path -> a unified diff."""
+    out = {}
+    for path in paths:
+        text = path.read_text()
+        new = render(text, results)
+        if new != text:
+            diff = difflib.unified_diff(text.splitlines(), new.splitlines(), str(path), "from the JSON", lineterm="")
+            out[path] = "\n".join(diff)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="exit 1 when a doc differs from the JSON")
+    mode.add_argument("--write", action="store_true", help="rewrite the generated parts of the docs")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("docs", nargs="*", type=Path, default=[ROOT / d for d in DOCS])
+    args = parser.parse_args(argv)
+    results = load_results(args.results)
+    differ = stale(args.docs, results)
+    for path, diff in differ.items():
+        if args.write:
+            path.write_text(render(path.read_text(), results))
+            print(f"rewrote {path}")
+        else:
+            print(diff)
+    if args.check and differ:
+        print(f"\n{len(differ)} doc(s) differ from benchmarks/results/*.json: run `make docs`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
