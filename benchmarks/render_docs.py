@@ -449,7 +449,7 @@ def rerun_gap(results: dict) -> str:
 
 
 def _design(name):
-    return lambda R: run_design(name, R[name])
+    return lambda R: f"`{run_design(name, R[name])}`"
 
 
 SPANS = {  # inline values that are not one field: name [arguments] -> function of every results file
@@ -461,20 +461,20 @@ SPANS = {  # inline values that are not one field: name [arguments] -> function 
     "bias_verdict": bias_verdict,
     "rerun_gap": rerun_gap,
     "rerun_noise": rerun_noise,
-    "default_design": lambda R: DEFAULT_DESIGN,
+    "default_design": lambda R: f"`{DEFAULT_DESIGN}`",
     **{f"design:{n}": _design(n) for n in ("bench_reasoning", "bench_reasoning_designs", "bench_reasoning_adaptive",
                                            "bench_e2e", "bench_train", "bench_gpu")},  # fmt: skip
 }
 
 
 def render_spec(spec: str, results: dict) -> str:
-    """The text a marker's spec stands for: a table (between newlines), a SPANS value, or
+    """The text a marker's spec stands for: a table (between blank lines), a SPANS value, or
     ``FILE KEY FIELD FORMAT`` (``value``)."""
     words = spec.split()
     try:
         if len(words) == 1 and words[0] in TABLES:
             name, function = TABLES[words[0]]
-            return "\n" + function(results[name]) + "\n"
+            return "\n\n" + function(results[name]) + "\n\n"  # blank lines: the table is its own block
         if words and words[0] in SPANS:
             return SPANS[words[0]](results, *words[1:])
         if len(words) == 4:
