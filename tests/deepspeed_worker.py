@@ -43,9 +43,10 @@ RUNS = {
 
 def deepspeed_config(stage):
     """A ZeRO config as TRL's zero2/zero3 accelerate configs (no offload; under ZeRO-3 transformers loads the models
-    in `zero.Init`) but fp32, the rest from the TrainingArguments ("auto"). ZeRO-3 with persistence threshold 0: every parameter of the policy is released after use and gathered
-    again in every forward (DeepSpeed's default, 1e5 elements, keeps smaller parameters gathered once fetched, which
-    here would be all of them), so that every forward call is a collective. No "train_batch_size": with
+    in `zero.Init`) but fp32, the rest from the TrainingArguments ("auto"). ZeRO-3 with persistence threshold 0:
+    every parameter of the policy is released after use and gathered again in every forward (DeepSpeed's default,
+    1e5 elements, keeps smaller parameters gathered once fetched, which here would be all of them), so that every
+    forward call is a collective. No "train_batch_size": with
     `use_cpu=True` accelerate starts torch.distributed itself, not DeepSpeed's comm, so when the first DeepSpeed
     object of a process is ZeRO-3's `zero.Init` (at model loading) DeepSpeed counts a world of 1 and rejects the
     Trainer's "auto" value (32 != 8 * 2 * 1); left out, DeepSpeed derives it."""
