@@ -6,7 +6,9 @@ and ``--accelerate_config``), plus every ``DPPOConfig`` field, with the same pre
 built on TRL's own parser and training script: TRL's ``grpo.main`` runs with ``DPPOTrainer`` in place of
 ``GRPOTrainer``. Unlike ``trl grpo``, an unknown key stops it before anything is loaded, naming the closest
 valid key. ``--config`` takes a YAML file or the name of a recipe shipped in the package (``recipes/`` of the
-repository, ``dppo_trl/recipes`` once installed).
+repository, ``dppo_trl/recipes`` once installed). ``--num_processes N`` > 1 on the CPU starts N processes
+(torch.distributed.run, gloo), where ``accelerate launch`` would start one; on GPUs where it would start one,
+it is refused (see ``process_plan``).
 
     dppo-trl --config qwen3-4b-math-lora
     dppo-trl --config my.yaml --num_processes 8 --accelerate_config zero2
@@ -299,14 +301,19 @@ def _check_demo_prepared(script_args, model_args) -> None:
 
 
 @contextlib.contextmanager
-def _dppo_in_place_of_grpo():
-    """TRL's training script builds `trl.GRPOTrainer`; let it build DPPOTrainer instead."""
+def _dppo_in_place_of_grpo(made: list):
+    """TRL's training script builds `trl.GRPOTrainer`; let it build DPPOTrainer instead, each one appended to
+    ``made`` (which keeps it alive after the script returns)."""
     import trl
 
     from .trainer import DPPOTrainer
 
+    def build(*args, **kwargs):
+        made.append(DPPOTrainer(*args, **kwargs))
+        return made[-1]
+
     original = trl.GRPOTrainer
-    trl.GRPOTrainer = DPPOTrainer
+    trl.GRPOTrainer = build
     try:
         yield
     finally:
@@ -314,33 +321,118 @@ def _dppo_in_place_of_grpo():
 
 
 def run(script_args, training_args, model_args, dataset_args) -> None:
+    """TRL's GRPO training script with DPPOTrainer. A process of a group of CPU processes (gloo) ends right after
+    the script (which saved the model and destroyed the process group), without freeing the trainer: freeing
+    DDP's reducer frees its gloo process group, whose destructor joins gloo's worker thread while holding the
+    GIL, and that thread may still need the GIL to free the last collective's tensors, so a finished rank hangs
+    at exit (a torch race, pytorch/pytorch#56297; measured: 1 two-process run in 6)."""
     from trl.scripts.grpo import main as grpo_main
 
-    with _dppo_in_place_of_grpo():
+    made: list = []
+    with _dppo_in_place_of_grpo(made):
         grpo_main(script_args, training_args, model_args, dataset_args)
+    accelerator = made[-1].accelerator if made else None
+    if accelerator is not None and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+_DISTRIBUTED_LAUNCHERS = ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu")
+
+
+def process_plan(num_processes: int, multi_process_launcher: bool, on_cpu: bool, devices: int) -> str:
+    """How the ``num_processes`` processes asked for get started, given how ``accelerate launch`` would read the
+    launch options (``multi_process_launcher``: through torch.distributed.run, DeepSpeed, mpirun, ...) and
+    where the run goes: ``"accelerate"`` (it starts them as asked: one, or N through that launcher) or ``"cpu"``
+    (N > 1 processes on the CPU, which accelerate's single-process launcher would silently cut to one; they go
+    through torch.distributed.run with gloo instead). N > 1 on GPUs that accelerate would give a single process
+    (fewer than two GPUs, or a config file of one process) is a CLIError that names --num_processes. The
+    invariant: never one process where N > 1 were asked for."""
+    if num_processes <= 1 or multi_process_launcher:
+        return "accelerate"
+    if on_cpu:
+        return "cpu"
+    visible = f"{devices} GPU{'' if devices == 1 else 's'} visible"
+    raise CLIError(
+        f"--num_processes {num_processes} would start a single process here ({visible}): `accelerate launch` "
+        "starts several only through a multi-process launcher (one process per GPU, --multi_gpu, or an "
+        "--accelerate_config of that kind). Use --num_processes 1, or add --use_cpu true to run "
+        f"{num_processes} processes on the CPU."
+    )
+
+
+def _accelerate_reading(accelerate_args):
+    """``accelerate launch``'s own reading of ``accelerate_args`` (its config file, its defaults, the GPUs it
+    finds), on a copy and without its warnings (the launch prints them): (number of processes, whether it
+    would use a multi-process launcher)."""
+    import copy
+    import logging
+
+    from accelerate.commands.launch import _validate_launch_command
+    from accelerate.utils import ComputeEnvironment
+
+    logger = logging.getLogger("accelerate.commands.launch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        args, defaults, _ = _validate_launch_command(copy.deepcopy(accelerate_args))
+    except ValueError as error:  # e.g. two of --cpu, --multi_gpu, --use_deepspeed
+        raise CLIError(str(error)) from None
+    finally:
+        logger.setLevel(level)
+    sagemaker = defaults is not None and defaults.compute_environment == ComputeEnvironment.AMAZON_SAGEMAKER
+    distributed = any(getattr(args, name, False) for name in _DISTRIBUTED_LAUNCHERS) and not args.cpu
+    return args.num_processes or 1, distributed or sagemaker or args.mpirun_hostfile is not None
+
+
+def plan_launch(launch_args: list[str], training_argv: list[str], use_cpu: bool):
+    """(the ``accelerate launch`` arguments that start the run, the environment they need). ``--num_processes
+    N`` > 1 on the CPU (``--cpu``, ``use_cpu``, or no GPU) goes to accelerate's multi-GPU launcher, which is
+    torch.distributed.run and works on the CPU (gloo), with ACCELERATE_USE_CPU so that every process joins the
+    CPU group; accelerate's own CPU launcher would start one process (see ``process_plan``)."""
+    import torch
+    from accelerate.commands.launch import launch_command_parser
+
+    args = launch_command_parser().parse_args(launch_args + ["--module", "dppo_trl"] + training_argv)
+    num_processes, multi_process_launcher = _accelerate_reading(args)
+    on_cpu = args.cpu or use_cpu or not torch.accelerator.is_available()
+    devices = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    if process_plan(num_processes, multi_process_launcher, on_cpu, devices) == "accelerate":
+        return args, {}
+    # --multi_gpu picks accelerate's torch.distributed.run launcher; use_cpu, its CPU threads per process
+    args.cpu, args.use_cpu, args.multi_gpu, args.num_processes = False, True, True, num_processes
+    if args.main_process_port is None and (args.num_machines or 1) <= 1:
+        args.standalone = True  # torch.distributed.run binds a free local port itself
+    print(f"dppo-trl: {num_processes} processes on the CPU (torch.distributed.run, gloo)", file=sys.stderr)
+    return args, {"ACCELERATE_USE_CPU": "true"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    launching = False
     try:
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
         _check_demo_prepared(script_args, model_args)
-        if launch_args and os.environ.get("DPPO_TRL_LAUNCHED") != "1":
+        launching = bool(launch_args) and os.environ.get("DPPO_TRL_LAUNCHED") != "1"
+        if launching:
             from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
             try:
                 launch_args = resolve_accelerate_config_argument(launch_args)
             except ValueError as error:  # an --accelerate_config that is neither a file nor one TRL ships
                 raise CLIError(str(error)) from None
+            accelerate_args, launch_env = plan_launch(launch_args, training_argv, training_args.use_cpu)
     except CLIError as error:
         print(error, file=sys.stderr)
         raise
-    if launch_args and os.environ.get("DPPO_TRL_LAUNCHED") != "1":
-        from accelerate.commands.launch import launch_command, launch_command_parser
+    if launching:
+        from accelerate.commands.launch import launch_command
+        from accelerate.utils import patch_environment
 
-        accelerate_args = launch_command_parser().parse_args(launch_args + ["--module", "dppo_trl"] + training_argv)
         os.environ["DPPO_TRL_LAUNCHED"] = "1"  # the launched processes run the training, not another launch
-        launch_command(accelerate_args)
+        with patch_environment(**launch_env):
+            launch_command(accelerate_args)
         return 0
     run(script_args, training_args, model_args, dataset_args)
     return 0

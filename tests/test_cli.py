@@ -1,9 +1,13 @@
 """The `dppo-trl` command line: every recipe parses and ships with the package (found by name as well as by
 path), unknown keys and bad values stop it before anything is loaded with a `dppo-trl:` line and exit status 2,
-flags override YAML, launch options are recognised and listed in the help, and a LoRA run trains and saves its
-adapter."""
+flags override YAML, launch options are recognised and listed in the help, a LoRA run trains and saves its
+adapter, and --num_processes N > 1 starts N processes on the CPU (or is refused where accelerate would start one)."""
 
+import contextlib
 import importlib.util
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -158,8 +162,6 @@ def test_flags_override_yaml(tmp_path):
     )
     _, training_args, *_ = parse(["--config", config, "--learning_rate", "3e-4", "--completion_keep_rate", "0.25"])
     assert training_args.learning_rate == 3e-4 and training_args.completion_keep_rate == 0.25
-    import os
-
     assert os.environ.pop("DPPO_TEST_ENV") == "set-by-yaml"
 
 
@@ -183,7 +185,7 @@ def test_module_entry_point_help():
     assert "--config YAML_OR_RECIPE" in out.stdout and "--num_processes" in out.stdout
 
 
-def tiny_run_config(tmp_path, model_dir, extra: str) -> str:
+def tiny_run_config(tmp_path, model_dir, extra: str, reward: str = "tests.conftest.random_reward") -> str:
     """A YAML for a few CPU steps on the offline tiny model, with a local JSON dataset."""
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
@@ -193,7 +195,7 @@ def tiny_run_config(tmp_path, model_dir, extra: str) -> str:
         f"""
 model_name_or_path: {model_dir}
 dataset_name: {data}
-reward_funcs: [tests.conftest.random_reward]
+reward_funcs: [{reward}]
 output_dir: {tmp_path / "out"}
 per_device_train_batch_size: 8
 num_generations: 4
@@ -233,7 +235,71 @@ def test_launch_options_start_the_run_under_accelerate(tmp_path, tiny_model_dir,
     monkeypatch.delenv("DPPO_TRL_LAUNCHED", raising=False)
     monkeypatch.chdir(Path(__file__).parent.parent)
     main(["--config", config, "--mixed_precision", "no"])  # a YAML launch option and a command-line one
-    import os
-
     assert os.environ.get("DPPO_TRL_LAUNCHED") == "1"  # it went through `accelerate launch`
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def run_cli_with_timeout(argv, env, log, timeout):
+    """``python -m dppo_trl ARGV`` in a session of its own, its output to ``log``; past ``timeout`` seconds (a hang)
+    it and every process it started (torch.distributed.run's workers have sessions of their own) are killed."""
+    import psutil  # an accelerate dependency
+
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "dppo_trl", *argv], cwd=REPO, env={**os.environ, **env},
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
+            process.kill()
+            process.wait()
+            pytest.fail(f"no result after {timeout} s (a hang?):\n{log.read_text()[-3000:]}")
+
+
+def test_num_processes_on_the_cpu_starts_that_many_processes(tmp_path, tiny_model_dir):
+    """`accelerate launch --num_processes 2` on the CPU starts ONE process (its CPU launcher leaves several to
+    mpirun); dppo-trl starts two (torch.distributed.run, gloo): each trainer sees a group of two, and both
+    processes end (a finished gloo rank can hang at exit, see ``dppo_trl.cli.run``)."""
+    reward = "tests.world_size_reward.recording_reward"
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n", reward=reward)
+    world = tmp_path / "world"
+    world.mkdir()
+    env = {"DPPO_TEST_WORLD_DIR": str(world), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DPPO_TRL_LAUNCHED": ""}
+    log = tmp_path / "log.txt"
+    assert run_cli_with_timeout(["--config", config, "--num_processes", "2"], env, log, timeout=240) == 0, (
+        log.read_text()[-3000:]
+    )
+    ranks = sorted((json.loads(f.read_text()) for f in world.glob("rank*.json")), key=lambda r: r["rank"])
+    assert ranks == [{"rank": r, "world_size": 2, "backend": "gloo"} for r in (0, 1)]
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert "dppo-trl: 2 processes on the CPU (torch.distributed.run, gloo)" in log.read_text()  # said, not silent
+
+
+def test_num_processes_beyond_the_gpus_is_a_line_not_a_single_process(tmp_path, monkeypatch, capsys):
+    """With one GPU, `accelerate launch --num_processes 2` would start one process: dppo-trl refuses, naming
+    --num_processes and what to do, before anything is loaded or launched."""
+    import torch
+
+    config = write_yaml(tmp_path / "c.yaml", "bf16: false\nmodel_name_or_path: /nonexistent/model\n")
+    monkeypatch.delenv("DPPO_TRL_LAUNCHED", raising=False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as error:
+        main(["--config", config, "--num_processes", "2"])
+    assert error.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dppo-trl: --num_processes 2 would start a single process here (1 GPU visible)")
+    assert "--use_cpu true" in err and "Traceback" not in err
+
+
+def test_conflicting_launch_options_are_a_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """accelerate's own refusals of the launch options come before anything is loaded, as a `dppo-trl:` line."""
+    config = write_yaml(tmp_path / "c.yaml", "use_cpu: true\nbf16: false\nmodel_name_or_path: /nonexistent/model\n")
+    monkeypatch.delenv("DPPO_TRL_LAUNCHED", raising=False)
+    with pytest.raises(SystemExit) as error:
+        main(["--config", config, "--cpu", "--multi_gpu", "--num_processes", "2"])
+    assert error.value.code == 2
+    assert capsys.readouterr().err.startswith("dppo-trl: You can only use one of `--cpu`, `--multi_gpu`")
