@@ -414,18 +414,29 @@ def _stratified(problem: PruneProblem, generator: torch.Generator):
     return systematic_sample(pi, generator, order=order), pi
 
 
-def balancing_variables(pi: torch.Tensor, problem: PruneProblem, generator: torch.Generator) -> torch.Tensor:
+def balancing_variables(pi: torch.Tensor, problem: PruneProblem, generator: torch.Generator,
+                        sparse: bool = False) -> torch.Tensor:  # fmt: skip
     """``balanced``'s balancing variables (N x p, columns in priority order): the budget (``pi``: the kept count;
     ``pi * cost`` under a token budget: the kept tokens), each group's advantages (the groups with a nonzero
-    one, in a random order: its reweighted advantages sum to the group's), then the other of rows and tokens."""
+    one, in a random order: its reweighted advantages sum to the group's), then the other of rows and tokens.
+    ``sparse``: the same matrix as a torch sparse COO tensor (3 entries a row, not p: p grows with the groups)."""
     costs = problem.costs.detach().to(torch.float64)
-    rows, tokens = pi, pi * costs
+    rows = pi.detach().to(torch.float64)
+    tokens = rows * costs
     advantages = problem.advantages.detach().to(torch.float64)
     group_ids = torch.unique(problem.groups[advantages != 0])
     group_ids = group_ids[torch.randperm(group_ids.numel(), generator=generator)]
-    per_group = advantages[:, None] * (problem.groups[:, None] == group_ids[None, :])
+    column = torch.zeros(int(problem.groups.max()) + 1 if problem.groups.numel() else 0, dtype=torch.long)
+    column[group_ids] = torch.arange(1, group_ids.numel() + 1)  # a group's column: 1 + its place in the order
+    n, p = pi.numel(), group_ids.numel() + 2
+    in_group = torch.nonzero(advantages != 0).flatten()  # the rows with an entry in their group's column
     first, last = (tokens, rows) if problem.budget_in_tokens else (rows, tokens)
-    return torch.cat([first[:, None], per_group, last[:, None]], dim=1)
+    index = torch.cat([torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)]),
+                       torch.stack([in_group, column[problem.groups[in_group]]]),
+                       torch.stack([torch.arange(n), torch.full((n,), p - 1)])], dim=1)  # fmt: skip
+    values = torch.cat([first, advantages[in_group], last])
+    x = torch.sparse_coo_tensor(index, values, (n, p), check_invariants=True).coalesce()
+    return x if sparse else x.to_dense()
 
 
 def grouped_order(groups: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -442,7 +453,7 @@ def _balanced(problem: PruneProblem, generator: torch.Generator):
     exactly ``pi[n]``, and the budget, each group's advantage sum and the other cost are met as closely as
     the landing allows (the first columns the most closely)."""
     pi = problem.keep_probabilities()
-    x = balancing_variables(pi, problem, generator)
+    x = balancing_variables(pi, problem, generator, sparse=True)
     return cube_sample(pi, x, generator, order=grouped_order(problem.groups, generator)), pi
 
 
