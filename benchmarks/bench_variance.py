@@ -6,10 +6,11 @@ supervised steps, each built on the previous one) stand in for stages of trainin
 zero-variance groups and completion lengths. Per checkpoint, a pool of ``--batches`` (12) generation batches of
 ``--prompts`` (8) training prompts x ``G`` (8) completions sampled at temperature 1, exact-chain reward, TRL's
 group advantages ``(r - mean) / (std + 1e-4)``; plus one more independent group per prompt whose mean |A| is the
-prompt's history score (prompt pruning). For every row, ``h_n = grad sum_t log p(token t | prefix)`` over its
-completion tokens in float64 (12 x 64 = 768 rows x ~310k parameters per checkpoint). The policy term of TRL's
-loss with ``beta=0``, on policy, is ``g_n = c_n h_n`` with ``c_n = -A_n / T_b`` (``dapo``: ``T_b`` the batch's
-completion tokens) or ``-A_n / (L_n N_b)`` (``grpo``: per-sequence mean over ``N_b`` rows).
+prompt's history score and whose mean completion tokens its loss-token history (prompt pruning). For every row,
+``h_n = grad sum_t log p(token t | prefix)`` over its completion tokens in float64 (12 x 64 = 768 rows x ~310k
+parameters per checkpoint). The policy term of TRL's loss with ``beta=0``, on policy, is ``g_n = c_n h_n`` with
+``c_n = -A_n / T_b`` (``dapo``: ``T_b`` the batch's completion tokens) or ``-A_n / (L_n N_b)`` (``grpo``:
+per-sequence mean over ``N_b`` rows).
 
 Designs (``--designs``, default ``DESIGNS``): ``<design>[+tokens][+g<gamma>]@<rate>`` draws the package's
 registered unbiased design ``<design>`` (``pruning.unbiased_designs()``: ``systematic``, ``poisson``,
@@ -22,7 +23,8 @@ with no code here (by default too: ``<name>@0.5`` joins ``DESIGNS`` for each reg
 not name); a ``DESIGNS`` entry whose design is not registered is skipped with a warning. The registered biased
 designs (``topk@<rate>``, ``zero_variance``) go through ``get_design`` too. Custom: ``grpo`` (the batch, TRL's
 padded passes), ``packing`` (every row, DPPO's packed passes), ``prompt@<rate>`` (prompt pruning alone),
-``dppo+prompt@<rate>`` (prompt pruning, then ``systematic`` over the accepted rows' ``PruneProblem``) and
+``dppo+prompt@<rate>`` (prompt pruning, then ``systematic`` over the accepted rows' ``PruneProblem``),
+``prompt+exact_lengths@<rate>`` (``prompt@`` with an exact length history: ``dapo``'s ``D_b = T_b``) and
 ``oracle[+tokens][+g<gamma>]@<rate>`` (below). One ``PruneProblem`` per batch and variant (rate, ``+tokens``,
 ``+g``) serves every design and draw of that variant, so its keep probabilities are solved once (it memoizes them).
 
@@ -51,9 +53,13 @@ weights each group evenly, so its ``group_imbalance`` is 0 whatever prompts it d
 
 Caveats. The batch gradients are mostly noise here (GRPO's relative error to the pool mean is above 1), so the
 MSE to the pool mean rewards shrinkage: a biased design that shrinks the estimate (``topk``) can show less MSE
-than the full batch. ``prompt@`` draws each candidate prompt of a batch independently (about half accepted);
-under ``dapo`` its self-normalized token count makes it a ratio estimator, biased and noisier with these few
-accepted prompts than in the trainer, whose batches hold a full set of accepted prompts.
+than the full batch. ``prompt@`` draws each candidate prompt of a batch independently (about half accepted).
+Under ``dapo`` it divides, as the trainer does, by a token count fixed before the acceptance draw: the candidates'
+expected loss tokens from their history group, ``D_b = G x sum_j`` (the history group's mean completion tokens),
+the trainer's per-epoch ``D`` at the scale of one candidate batch. Its expected estimate is then ``N_b / D_b``:
+its ``bias`` column is the length estimate's error ``|T_b / D_b - 1|`` (a common scale of the batch gradient, from
+one independent group per prompt), not a ratio estimator's; ``prompt+exact_lengths@`` takes ``D_b = T_b`` (what
+an exact history would give), so its bias column shows the estimate's own bias, at the noise level.
 
 About 7.5 minutes here single-threaded from scratch (4 of them the supervised warm start, cached under
 ``--model-cache``; about 3 minutes once cached): per checkpoint ~25 s generation, ~20 s gradients, ~20 s
@@ -62,6 +68,7 @@ estimators; the two ``balanced`` designs' cube walks (~11 ms a draw of 64 rows) 
     python benchmarks/bench_variance.py                          # writes benchmarks/results/bench_variance.json
     python benchmarks/bench_variance.py --checkpoints 300 --batches 4 --prune-seeds 50 --json /tmp/v.json
     python benchmarks/bench_variance.py --designs grpo systematic@0.5 poisson+tokens+g0.25@0.4 --json /tmp/v.json
+    python benchmarks/bench_variance.py --designs grpo prompt@0.5 dppo+prompt@0.5 --merge   # re-measure these rows
 """
 
 from __future__ import annotations
@@ -89,13 +96,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dppo_trl.config import _DEFAULT_KEEP_FLOOR, _DEFAULT_PROMPT_KEEP_FLOOR  # noqa: E402
+from dppo_trl.estimator import horvitz_thompson_weights  # noqa: E402
 from dppo_trl.packing import assign_microbatches, default_packed_tokens, packed_allocation  # noqa: E402
 from dppo_trl.prompts import prompt_acceptance_probabilities  # noqa: E402
 from dppo_trl.pruning import (  # noqa: E402
     PruneProblem,
     adaptive_keep_rate,
     get_design,
-    horvitz_thompson_weights,
     sampling_designs,
     systematic_sample,
     unbiased_designs,
@@ -108,9 +115,11 @@ DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0
            "systematic+tokens@0.4", "stratified+tokens@0.4", "balanced+tokens@0.4", "systematic+tokens+g0.25@0.4",
            "systematic+tokens+g-0.5@0.4", "stratified+tokens+g-0.5@0.4", "stratified+e0.3@0.25",
            "stratified+e0.5@0.25", "topk@0.5", "zero_variance", "prompt@0.5",
-           "dppo+prompt@0.5", "oracle@0.5")  # fmt: skip
+           "dppo+prompt@0.5", "prompt+exact_lengths@0.5", "oracle@0.5")  # fmt: skip
 # The designs implemented here, not registered in the package: whether each takes @<rate>.
-CUSTOM_DESIGNS = {"grpo": False, "packing": False, "prompt": True, "dppo+prompt": True, "oracle": True}
+CUSTOM_DESIGNS = {"grpo": False, "packing": False, "prompt": True, "dppo+prompt": True, "prompt+exact_lengths": True,
+                  "oracle": True}  # fmt: skip
+PROMPT_DESIGNS = ("prompt", "dppo+prompt", "prompt+exact_lengths")
 LOSS_TYPES = ("dapo", "grpo")
 STEPS_PER_GENERATION, PER_DEVICE_ROWS = 4, 16  # DPPO trainer's micro-batching of one generation batch
 
@@ -140,7 +149,8 @@ class DesignSpec:
 def design_grammar() -> str:
     """The valid design names, in words (for error messages)."""
     biased = [f"{name}[@<rate>]" for name in sampling_designs() if name not in unbiased_designs()]
-    return (f"grpo, packing, prompt@<rate>, dppo+prompt@<rate>, oracle[+tokens][+g<gamma>][+e<target>]@<rate>, "
+    return (f"grpo, packing, prompt@<rate>, dppo+prompt@<rate>, prompt+exact_lengths@<rate>, "
+            f"oracle[+tokens][+g<gamma>][+e<target>]@<rate>, "
             f"{', '.join(biased)} or <design>[+tokens][+g<gamma>][+e<target>]@<rate> with <design> one of "
             f"{list(unbiased_designs())}, 0 < rate <= 1")  # fmt: skip
 
@@ -226,7 +236,8 @@ def design_argument(text: str) -> str:
 @dataclass
 class Batch:
     """One generation batch: ``group_size`` consecutive rows per prompt. ``history``: per prompt, the mean |A|
-    of one more independent group (its prompt-pruning score)."""
+    of one more independent group (its prompt-pruning score); ``history_tokens``: that group's mean completion
+    tokens (its loss-token history)."""
 
     rewards: torch.Tensor  # (N,) float64
     advantages: torch.Tensor  # (N,) float64, exactly 0 on zero-spread groups
@@ -234,6 +245,7 @@ class Batch:
     completion_tokens: torch.Tensor  # (N,) long: loss tokens L_n (eos included when generated)
     history: torch.Tensor  # (N / group_size,) float64
     group_size: int
+    history_tokens: torch.Tensor | None = None  # (N / group_size,) float64: the history group's mean L_n
 
     @property
     def scores(self) -> torch.Tensor:
@@ -316,7 +328,7 @@ def oracle_probabilities(norms: torch.Tensor, cost: torch.Tensor, budget: float)
 # carry 1/q_j. This per-candidate Bernoulli formulation is the per-batch equivalent of the trainer's sampler,
 # which walks the candidates, refills every batch with accepted prompts, and weights them q_bar/q_j: per
 # candidate, acceptance has probability q_j and the weight of an accepted one is 1/q_j up to the common q_bar
-# (which the sampler's extra steps per epoch, 1/q_bar, undo; and which the dapo normalizer cancels anyway).
+# (which the sampler's extra steps per epoch, 1/q_bar, undo). Its dapo normalizer is prompt_token_normalizer.
 def prompt_acceptance(batch: Batch, keep_rate: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted rows, per-row prompt weight ``1/q_j`` on them, 0 elsewhere)."""
     seen = torch.ones_like(batch.history, dtype=torch.bool)
@@ -334,7 +346,7 @@ class Draw:
     weights: torch.Tensor
     passed: torch.Tensor
     generated: torch.Tensor
-    prompt_weights: torch.Tensor | None  # 1/q_j on generated rows under prompt pruning, else None
+    prompt_weights: torch.Tensor | None  # 1/q_j on generated rows under prompt pruning (dapo: over D_b), else None
     tokens: int
 
 
@@ -396,9 +408,11 @@ def draw_design(design: str, batch: Batch, generator: torch.Generator, problems:
     elif spec.base == "oracle":
         keep = systematic_sample(pi, generator)
         weights = horvitz_thompson_weights(pi, keep)
-    elif spec.base in ("prompt", "dppo+prompt"):
+    elif spec.base in PROMPT_DESIGNS:
         generated, prompt_weights = prompt_acceptance(batch, spec.rate, generator)
         keep, weights = generated, prompt_weights
+        if spec.base == "prompt+exact_lengths":
+            prompt_weights = None  # D_b = T_b: the trainer's row weights, with the batch's own count
         if spec.base == "dppo+prompt":
             keep, weights = torch.zeros_like(generated), torch.zeros_like(prompt_weights)
             if bool(generated.any()):
@@ -411,15 +425,22 @@ def draw_design(design: str, batch: Batch, generator: torch.Generator, problems:
     return Draw(weights, keep, generated, prompt_weights, tokens)
 
 
+def prompt_token_normalizer(batch: Batch) -> float:
+    """``D_b = G x sum_j`` (the history group's mean completion tokens of candidate ``j``): the candidates' expected
+    loss tokens from their history, fixed before the acceptance draw (the trainer's per-epoch
+    ``estimator.expected_batch_tokens``, at the scale of one candidate batch)."""
+    if batch.history_tokens is None:
+        raise ValueError("prompt pruning under dapo needs the batch's history_tokens")
+    return batch.group_size * float(batch.history_tokens.double().sum())
+
+
 def effective_weights(draw: Draw, batch: Batch, loss_type: str) -> torch.Tensor:
     """The estimate's weights in units of ``g_n``: the trainer's row weights, except that ``dapo`` under prompt
-    pruning normalizes by the prompt-weighted token count ``Z = sum_generated L_n / q_j`` instead of ``T_b``
-    (a ratio estimator: slightly biased); an empty accepted batch estimates 0."""
+    pruning normalizes by the draw-independent ``D_b`` (``prompt_token_normalizer``) instead of ``T_b``: an
+    unbiased estimate of ``N_b / D_b``, i.e. of the batch gradient times ``T_b / D_b``."""
     if loss_type != "dapo" or draw.prompt_weights is None:
         return draw.weights
-    z = float((draw.prompt_weights * batch.completion_tokens.double()).sum())
-    total = float(batch.completion_tokens.sum())
-    return draw.weights * (total / z) if z > 0 else torch.zeros_like(draw.weights)
+    return draw.weights * (float(batch.completion_tokens.sum()) / max(prompt_token_normalizer(batch), 1.0))
 
 
 @dataclass
@@ -673,6 +694,7 @@ def sample_batch(model, tokenizer, starts: list[int], group_size: int, seed: int
     rewards = torch.tensor(countdown_reward([r[2] for r in rows], answer=[countdown(r[3]) for r in rows]))
     n = len(starts) * group_size
     main, history = rewards[:n].double(), rewards[n:].double()
+    history_tokens = torch.tensor([len(r[1]) for r in rows[n:]], dtype=torch.float64)
     batch = Batch(
         rewards=main,
         advantages=group_advantages(main, group_size),
@@ -680,6 +702,7 @@ def sample_batch(model, tokenizer, starts: list[int], group_size: int, seed: int
         completion_tokens=torch.tensor([len(r[1]) for r in rows[:n]]),
         history=group_advantages(history, group_size).abs().view(-1, group_size).mean(1),
         group_size=group_size,
+        history_tokens=history_tokens.view(-1, group_size).mean(1),
     )
     return batch, [(r[0], r[1]) for r in rows[:n]]
 
@@ -759,6 +782,32 @@ def run_checkpoint(info: dict, prompt_batches: list[list[int]], args) -> tuple[l
     return rows, description
 
 
+REFERENCE_DESIGNS = ("grpo", "oracle@0.5")  # the designs every ratio is taken to
+
+
+def merge_results(saved: dict, fresh: dict, new_pools: bool = False) -> dict:
+    """``saved`` (a previous run's JSON) with the rows of ``fresh``'s designs replaced by ``fresh``'s (new designs
+    appended) and the summary recomputed. Same pools (equal ``grpo`` rows: same checkpoints, batches and gradients):
+    every ratio is recomputed. Otherwise refused, unless ``new_pools``: then only ``fresh``'s non-reference designs
+    replace their rows, keeping the ratios they got in their own run (to its ``grpo`` and ``oracle@0.5``), tagged
+    with ``pool`` (the merge's index). ``config["merged"]`` records each merge (its pools' descriptions too)."""
+    key = lambda r: (r["checkpoint"], r["loss_type"], r["design"])  # noqa: E731
+    saved_rows = {key(r): r for r in saved["results"]}
+    same = all(k in saved_rows and math.isclose(saved_rows[k]["mse"], r["mse"], rel_tol=1e-9)
+               for r in fresh["results"] if (k := key(r))[2] == "grpo")  # fmt: skip
+    if not same and not new_pools:
+        raise SystemExit("--merge: the grpo rows differ from the saved run's: not the same pools (--merge-new-pools)")
+    merges = saved["config"].get("merged", [])
+    record = {"designs": fresh["config"]["designs"], "elapsed_s": fresh["elapsed_s"], "same_pools": same}
+    new = {key(r): r for r in fresh["results"]}
+    if not same:
+        record["checkpoints"] = fresh["checkpoints"]
+        new = {k: {**r, "pool": len(merges)} for k, r in new.items() if k[2] not in REFERENCE_DESIGNS}
+    rows = [new.pop(key(r), r) for r in saved["results"]] + list(new.values())
+    config = {**saved["config"], "merged": merges + [record]}
+    return {**saved, "config": config, "results": add_ratios(rows) if same else rows, "summary": summarize(rows)}
+
+
 def prompt_batches_of(args) -> list[list[int]]:
     """``args.batches`` batches of ``args.prompts`` starts, drawn without replacement from the training list."""
     from dppo_trl.countdown import countdown_splits
@@ -786,6 +835,12 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", default="outputs/bench-variance")
     parser.add_argument("--json", default="benchmarks/results/bench_variance.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace only the measured designs' rows in the existing --json (same pools), keep the "
+                        "others; ratios and summary recomputed")  # fmt: skip
+    parser.add_argument("--merge-new-pools", action="store_true",
+                        help="with --merge, accept pools that differ from the saved run's (another machine or model "
+                        "cache): the merged rows keep their own run's ratios and are tagged with their pool")
     args = parser.parse_args(argv)
     args.designs = default_designs() if args.designs is None else args.designs
     if "grpo" not in args.designs:
@@ -811,6 +866,8 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     saved = {"config": vars(args), "elapsed_s": elapsed, "checkpoints": descriptions, "results": rows,
              "summary": summary}  # fmt: skip
+    if args.merge:
+        saved = merge_results(json.loads(out.read_text()), saved, new_pools=args.merge_new_pools)
     out.write_text(json.dumps(saved, indent=1))
     print(f"\nwrote {out} ({elapsed:.0f} s in all)")
     return rows

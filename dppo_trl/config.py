@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .pruning import SUPPORTED_LOSS_TYPES, default_length_exponent, get_design, sampling_designs, unbiased_designs
+from .estimator import SUPPORTED_LOSS_TYPES
+from .pruning import default_length_exponent, get_design, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
 
@@ -120,8 +121,17 @@ class DPPOConfig(GRPOConfig):
             "help": "Prompt pruning before rollout, in (0, 1]: the target fraction of the prompts the training "
             "sampler has seen that it accepts. A prompt is accepted with probability q = clip(score / tau_q, "
             "prompt_keep_floor, 1), its score being the moving average of its groups' mean |A| (unseen prompts: "
-            "q = 1), and carries the weight mean(q) / q, so each step's expected gradient stays GRPO's. "
-            "1.0 switches prompt pruning off. Needs a map-style (not streaming) dataset."
+            "q = 1), and carries the weight mean(q) / q. Every accepted prompt trains once (those that do not fill "
+            "an epoch's last batch head the next epoch's first), except the run's final leftover of fewer than one "
+            "batch of prompts, so each data epoch's expected weighted sum of per-prompt terms is mean(q) x the "
+            "dataset's, over mean(q) x GRPO's expected steps: per step, GRPO's expected numerator, exactly (as a "
+            "ratio of expectations over the epoch). Losses normalized by rows "
+            "(grpo, sapo, luspo, dr_grpo): the expected step is GRPO's. Token-mean losses (dapo, bnpo, cispo, "
+            "vespo): they divide by a token count D fixed when the epoch is planned (prompts per batch x "
+            "num_generations x the history's mean loss tokens per completion), so the expected step is GRPO's "
+            "expected token sum over D, which is GRPO's E[N]/E[T] up to the positive factor E[T]/D (the length "
+            "history's error; GRPO's own step is a ratio estimate of E[N]/E[T]). The first epoch (nothing seen) "
+            "is GRPO's exactly. 1.0 switches prompt pruning off. Needs a map-style (not streaming) dataset."
         },
     )
     prompt_keep_floor: float = field(

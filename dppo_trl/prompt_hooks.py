@@ -1,6 +1,7 @@
 """Prompt pruning's hooks of ``DPPOTrainer``: the training sampler, the schedule and resume arithmetic that follow
-data progress, the per-batch prompt decision, and the sampler's state in checkpoints. The math is in
-``dppo_trl.prompts``; this mixin only wires it into the HF Trainer's and TRL's hooks."""
+data progress, the per-batch prompt decision (weights and token normalizer), and the sampler's state in
+checkpoints. The math is in ``dppo_trl.prompts`` and ``dppo_trl.estimator``; this mixin only wires it into the HF
+Trainer's and TRL's hooks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import torch
 
 from .callbacks import DataProgressScheduler
+from .estimator import prompt_pruning_normalization, prompt_weighted_token_count
 from .prompts import PromptPruningSampler
 
 
@@ -70,26 +72,36 @@ class PromptPruningHooks:
         steps_per_epoch = max(math.ceil(units_per_epoch / self.args.gradient_accumulation_steps), 1)
         return (self.state.global_step % steps_per_epoch) * self.args.gradient_accumulation_steps
 
-    def _take_prompt_decision(self, inputs, scores) -> torch.Tensor:
-        """This generation batch's prompt weights (every rank's rows); feeds the group's mean |A| back to the
-        history. Checks that the batch is the one the sampler planned."""
+    def _take_prompt_decision(self, inputs, scores) -> tuple[torch.Tensor, float]:
+        """This generation batch's prompt weights (every rank's rows) and its token normalizer, both as the sampler
+        planned them before the epoch's acceptance draw (``estimator.prompt_pruning_normalization``); feeds the
+        group's mean |A| and mean loss tokens back to the history. Checks that the batch is the one planned."""
         decision = self._prompt_sampler.pop_decision(self._next_prompt_batch)
         self._next_prompt_batch = decision["number"] + 1
         self._prompts_walked += decision["walked"]
         group = self.num_generations
         rows = [i for i in decision["prompts"] for _ in range(group)]
-        local = len(inputs)
-        mine = rows[self._local(local)]
-        expected = [self.train_dataset[i]["prompt"] for i in mine]
-        if expected != [x["prompt"] for x in inputs]:
+        mine = rows[self._local(len(inputs))]
+        if [self.train_dataset[i]["prompt"] for i in mine] != [x["prompt"] for x in inputs]:
             raise RuntimeError("DPPO prompt sampler and trainer disagree on the generation batch's prompts.")
-        self._prompt_sampler.update(decision["prompts"], scores.abs().view(-1, group).mean(1).tolist())
-        weights = torch.tensor([w for w in decision["weights"] for _ in range(group)], dtype=torch.float64)
+        loss_tokens = self._row_tokens[:, 2].double()
+        normalizer, factors = prompt_pruning_normalization(
+            self.loss_type, decision["normalizer"], decision["normalizers"], loss_tokens
+        )
+        self._prompt_sampler.update(decision["prompts"], scores.abs().view(-1, group).mean(1).tolist(),
+                                    loss_tokens.view(-1, group).mean(1).tolist())  # fmt: skip
+        prompt_weights = [w * f for w, f in zip(decision["weights"], factors)]
+        weights = torch.tensor([w for w in prompt_weights for _ in range(group)], dtype=torch.float64)
         metrics = self._metrics["train"]
         metrics["dppo/prompt_keep_rate"].append(decision["accepted_fraction"])
         metrics["dppo/prompt_q_bar"].append(decision["q_bar"])
-        metrics["dppo/prompt_weight_max"].append(max(decision["weights"]))
-        return weights
+        metrics["dppo/prompt_weight_max"].append(max(prompt_weights))
+        # Its mean over an epoch estimates E[T_B] / D, the scale of the planned normalizer (1 when D is exact).
+        planned_weights = torch.tensor(decision["weights"], dtype=torch.float64).repeat_interleave(group)
+        metrics["dppo/prompt_token_scale"].append(
+            prompt_weighted_token_count(loss_tokens, planned_weights) / max(normalizer, 1.0)
+        )
+        return weights, normalizer
 
     _PROMPT_STATE_FILE = "dppo_prompt_sampler.json"
 

@@ -1,15 +1,18 @@
 """Prompt-level pruning before rollout: per-prompt history, acceptance probabilities, and the training sampler.
 
 No TRL import. The sampler replaces TRL's ``RepeatSampler`` in training and yields the same layout: each
-generation batch is ``prompts_per_batch`` distinct prompts, each repeated ``group_size`` times, and the whole
-batch repeated ``repeat_count`` times. It walks the same shuffled order as ``RepeatSampler`` (one
-``torch.randperm`` per epoch from a generator seeded with ``seed``) and accepts each candidate prompt ``j``
-with probability ``q_j`` (1 for a prompt never seen).
+generation batch is ``prompts_per_batch`` prompts, each repeated ``group_size`` times, and the whole batch
+repeated ``repeat_count`` times. It walks the same shuffled order as ``RepeatSampler`` (one ``torch.randperm``
+per epoch from a generator seeded with ``seed``) and accepts each candidate prompt ``j`` with probability
+``q_j`` (1 for a prompt never seen), drawn when the epoch is planned.
 
-Why the weights keep it unbiased: over one epoch every prompt is a candidate once and is accepted with
-probability ``q_j``; an accepted prompt carries ``q_bar / q_j`` (``q_bar``: the mean of ``q`` over the whole
-dataset), so the expected weighted sum over the epoch is ``q_bar * sum_j g_j`` while the epoch takes about
-``q_bar`` times GRPO's steps: per step, the expected gradient is GRPO's.
+What holds (``docs/prompt_pruning.md``), given the history when data epoch ``e`` is planned (it fixes ``q``,
+``q_bar``, the mean of ``q`` over the dataset, and the token normalizer ``D_e``, ``estimator.expected_batch_tokens``)
+and each prompt's gradient term ``g_j``: every prompt is a candidate once and accepted with probability ``q_j``,
+an accepted prompt carries the weight ``q_bar / q_j`` and the normalizer ``D_e``, and trains exactly once (the
+accepted prompts that do not fill a last batch head the next epoch's first batch, with their own weights and
+normalizer), so ``E[sum of the epoch's weighted terms] = q_bar x sum_j g_j`` and ``E[accepted] = q_bar x M``
+exactly. The only prompts that never train are the run's final leftover, fewer than ``prompts_per_batch``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from .estimator import expected_batch_tokens
 from .pruning import keep_probabilities
 
 
@@ -41,20 +45,49 @@ def update_history(scores: torch.Tensor, seen: torch.Tensor, indices, values, de
         seen[index] = True
 
 
+def cut_into_batches(
+    carried: list, accepted: list, epoch_length: int, size: int, walk_owed: int
+) -> tuple[list[dict], list, int]:
+    """One epoch's batches: ``carried`` (``[prompt, weight, normalizer]`` accepted in an earlier epoch, not yet
+    trained) then ``accepted`` (``[prompt, weight, normalizer, position in the epoch's order]``), cut into full
+    batches of ``size``. Returns the batches (``prompts``, ``weights``, ``normalizers``, ``walked``), the entries
+    left over (carried into the next epoch: every accepted prompt trains once) and the walk still owed.
+
+    ``walked`` counts the epoch's candidates a batch walks past, up to its last prompt; the last batch also takes
+    the epoch's tail, and the first the walk owed by earlier epochs that filled no batch: over the batches the
+    walks sum to the candidates walked, so data progress follows the data (``walk_owed`` is what is not yet
+    attributed when no batch is cut)."""
+    entries = [[*entry, -1] for entry in carried] + [list(entry) for entry in accepted]
+    count = len(entries) // size
+    batches, walked_to = [], 0
+    for b in range(count):
+        chunk = entries[b * size : (b + 1) * size]
+        end = epoch_length if b == count - 1 else chunk[-1][3] + 1
+        walked = end - walked_to + (walk_owed if b == 0 else 0)
+        batches.append({"prompts": [e[0] for e in chunk], "weights": [e[1] for e in chunk],
+                        "normalizers": [e[2] for e in chunk], "walked": walked})  # fmt: skip
+        walked_to = end
+    leftover = [entry[:3] for entry in entries[count * size :]]
+    return batches, leftover, 0 if count else walk_owed + epoch_length
+
+
 class PromptPruningSampler(Sampler[int]):
     """TRL's repeat layout over prompts accepted with probability ``q`` (see the module docstring).
 
-    Each data epoch is planned when it starts: ``q`` from the history at that time, one acceptance draw per
-    prompt in the shuffled order, accepted prompts cut into full batches (an incomplete last batch is dropped,
-    as in ``RepeatSampler``). Every planned batch is numbered and kept in ``decisions`` (prompts, weights)
-    until the trainer takes it with ``pop_decision``; the trainer feeds the history back with ``update``.
+    Each data epoch is planned when it starts: ``q`` and the token normalizer ``D`` from the history at that
+    time, one acceptance draw per prompt in the shuffled order, the prompts carried over from the previous
+    epoch then the accepted ones cut into full batches (``cut_into_batches``: an incomplete last batch is carried
+    into the next epoch, not dropped). Every planned batch is numbered and kept in ``decisions`` (prompts,
+    weights, normalizers) until the trainer takes it with ``pop_decision``; the trainer feeds the history back
+    with ``update``.
 
     ``__len__`` is the unpruned epoch length, which keeps the HF Trainer's step arithmetic (epochs, resume
-    skipping) that of GRPO. With ``max_epochs`` (epoch-based runs) one iteration is one data epoch, which
-    ends early when pruned. Without it (``max_steps`` runs) one iteration yields exactly ``__len__`` indices,
-    walking on into the next data epochs as needed, so the Trainer takes exactly ``max_steps`` steps. After
-    ``load_state_dict`` the next iteration first yields ``skip_units()`` placeholder units (the Trainer's
-    resume logic discards that many batches), then goes on from the first batch not yet taken.
+    skipping) that of GRPO. With ``max_epochs`` (epoch-based runs) one iteration is one data epoch (or more, when
+    one is too short to fill a batch), which ends early when pruned. Without it (``max_steps`` runs) one
+    iteration yields exactly ``__len__`` indices, walking on into the next data epochs as needed, so the Trainer
+    takes exactly ``max_steps`` steps. After ``load_state_dict`` the next iteration first yields ``skip_units()``
+    placeholder units (the Trainer's resume logic discards that many batches), then goes on from the first batch
+    not yet taken.
     """
 
     def __init__(
@@ -81,11 +114,14 @@ class PromptPruningSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.max_epochs = max_epochs
-        self.scores = torch.zeros(num_prompts, dtype=torch.float64)
+        self.scores = torch.zeros(num_prompts, dtype=torch.float64)  # moving average of the group's mean |A|
+        self.lengths = torch.zeros(num_prompts, dtype=torch.float64)  # ... of its loss tokens per completion
         self.seen = torch.zeros(num_prompts, dtype=torch.bool)
         self.epoch = 0  # data epochs planned so far
         self.batches_planned = 0
         self.plan: list[dict] = []  # the current data epoch's batches
+        self.carry: list = []  # [prompt, weight, normalizer] accepted, not in a planned batch yet
+        self.walk_owed = 0  # candidates walked by epochs that filled no batch
         self.next_batch = 0  # number of the next planned batch to yield
         self.decisions: dict[int, dict] = {}
         self.generator = torch.Generator().manual_seed(accept_seed)
@@ -103,32 +139,28 @@ class PromptPruningSampler(Sampler[int]):
     def acceptance(self) -> torch.Tensor:
         return prompt_acceptance_probabilities(self.scores, self.seen, self.keep_rate, self.keep_floor)
 
+    def normalizer(self) -> float | None:
+        """``D`` of the next planned epoch (``estimator.expected_batch_tokens`` of the history); None while no
+        prompt is seen."""
+        return expected_batch_tokens(self.lengths, self.seen, self.prompts_per_batch, self.group_size)
+
+    def _accepted(self, order: list[int], q: torch.Tensor) -> list[bool]:
+        """One independent draw per candidate: accepted with probability ``q``."""
+        draws = torch.rand(len(order), generator=self.generator, dtype=torch.float64)
+        return [u < float(q[i]) for i, u in zip(order, draws.tolist())]
+
     def _plan_epoch(self) -> list[dict]:
-        q = self.acceptance()
+        q, normalizer = self.acceptance(), self.normalizer()
         q_bar = float(q.mean())
         order = self._next_order()
-        draws = torch.rand(len(order), generator=self.generator, dtype=torch.float64)
-        accepted_at = [pos for pos, (i, u) in enumerate(zip(order, draws.tolist())) if u < float(q[i])]
-        accepted = [order[pos] for pos in accepted_at]
-        plan = []
-        size = self.prompts_per_batch
-        walked = 0
-        for start in range(0, len(accepted) - size + 1, size):
-            prompts = accepted[start : start + size]
-            # Candidates this batch walked past (accepted or not); the last batch also takes the epoch's tail.
-            end = accepted_at[start + size - 1] + 1 if start + 2 * size <= len(accepted) else len(order)
-            plan.append(
-                {
-                    "number": self.batches_planned,
-                    "epoch": self.epoch,
-                    "prompts": prompts,
-                    "weights": [q_bar / float(q[i]) for i in prompts],
-                    "q_bar": q_bar,
-                    "accepted_fraction": len(accepted) / max(len(order), 1),
-                    "walked": end - walked,
-                }
-            )
-            walked = end
+        accepted = [[i, q_bar / float(q[i]), normalizer, pos]
+                    for pos, (i, a) in enumerate(zip(order, self._accepted(order, q))) if a]  # fmt: skip
+        plan, self.carry, self.walk_owed = cut_into_batches(
+            self.carry, accepted, len(order), self.prompts_per_batch, self.walk_owed
+        )
+        for batch in plan:
+            batch.update(number=self.batches_planned, epoch=self.epoch, normalizer=normalizer, q_bar=q_bar,
+                         accepted_fraction=len(accepted) / max(len(order), 1))  # fmt: skip
             self.batches_planned += 1
         self.epoch += 1
         return plan
@@ -149,9 +181,12 @@ class PromptPruningSampler(Sampler[int]):
                     yield from [index] * self.group_size
             units -= -(-skipped // self.repeat_count)  # a placeholder stands for one of a unit's repeats
         elif self.max_epochs is not None:
-            if self.epoch >= self.max_epochs:
+            plan = []
+            while not plan and self.epoch < self.max_epochs:  # an epoch too short for a batch carries into the next
+                plan = self._plan_epoch()
+            if not plan:
                 return
-            self.plan = self._plan_epoch()
+            self.plan = plan
         empty_epochs = 0
         while units > 0:
             pending = [b for b in self.plan if b["number"] >= self.next_batch]
@@ -173,21 +208,26 @@ class PromptPruningSampler(Sampler[int]):
         )
 
     def pop_decision(self, number: int) -> dict:
-        """The planned batch ``number`` (its prompts and weights); older ones are forgotten."""
+        """The planned batch ``number`` (its prompts, weights and normalizers); older ones are forgotten."""
         for stale in [n for n in self.decisions if n < number]:
             del self.decisions[stale]
         return self.decisions.pop(number)
 
-    def update(self, prompts, mean_abs_advantages) -> None:
+    def update(self, prompts, mean_abs_advantages, mean_loss_tokens) -> None:
+        """Feed back one generation batch: per prompt, its group's mean |A| and mean loss tokens per completion."""
+        update_history(self.lengths, self.seen.clone(), prompts, mean_loss_tokens, self.history_decay)
         update_history(self.scores, self.seen, prompts, mean_abs_advantages, self.history_decay)
 
     def state_dict(self) -> dict:
         return {
             "scores": self.scores.tolist(),
+            "lengths": self.lengths.tolist(),
             "seen": self.seen.tolist(),
             "epoch": self.epoch,
             "batches_planned": self.batches_planned,
             "plan": self.plan,
+            "carry": self.carry,
+            "walk_owed": self.walk_owed,
             "generator": self.generator.get_state().tolist(),
             "order_generator": self.order_generator.get_state().tolist(),
         }
@@ -195,10 +235,13 @@ class PromptPruningSampler(Sampler[int]):
     def load_state_dict(self, state: dict, next_batch: int) -> None:
         """Restore, and resume at planned batch ``next_batch`` (the first one the trainer has not taken)."""
         self.scores = torch.tensor(state["scores"], dtype=torch.float64)
+        self.lengths = torch.tensor(state["lengths"], dtype=torch.float64)
         self.seen = torch.tensor(state["seen"], dtype=torch.bool)
         self.epoch = state["epoch"]
         self.batches_planned = state["batches_planned"]
         self.plan = list(state["plan"])
+        self.carry = [list(entry) for entry in state["carry"]]
+        self.walk_owed = state["walk_owed"]
         self.decisions = {}
         self.next_batch = next_batch
         self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))

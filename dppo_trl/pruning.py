@@ -1,4 +1,5 @@
-"""Pure math of completion pruning: keep probabilities, sampling designs, Horvitz-Thompson weights.
+"""Pure math of completion pruning: keep probabilities and sampling designs (the Horvitz-Thompson weights and
+the loss normalizers are in ``dppo_trl.estimator``).
 
 No TRL import here. Every function works on plain 1-D tensors over the rows of ONE generation batch
 (all ranks together), so that every rank, given the same inputs and generator, makes the same decision.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .cube import cube_sample
+from .estimator import SEQUENCE_MEAN_LOSS_TYPES
 
 
 def keep_probabilities(
@@ -153,91 +155,11 @@ def zero_spread_rows(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return ~zero_variance_mask(rewards, group_size)
 
 
-def prompt_weighted_token_count(loss_tokens: torch.Tensor, prompt_weights: torch.Tensor) -> float:
-    """``sum_n w_n T_n`` over the accepted generation batch (prompt weights ``w = q_bar / q``): the
-    Horvitz-Thompson estimate of the loss-token count of the batch GRPO would have drawn, the normalizer of
-    the token-mean loss types (``bnpo``, ``dapo``, ``cispo``, ``vespo``) under prompt pruning."""
-    return float((loss_tokens.to(torch.float64) * prompt_weights.to(torch.float64)).sum())
-
-
-def horvitz_thompson_weights(pi: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``1 / pi`` on kept rows, 0 elsewhere."""
-    pi = pi.detach().to(torch.float64)
-    keep = keep & (pi > 0)
-    safe = torch.where(keep, pi, torch.ones_like(pi))
-    return torch.where(keep, 1.0 / safe, torch.zeros_like(pi))
-
-
-def effective_sample_size(weights: torch.Tensor) -> float:
-    """Kish's effective sample size ``(sum w)^2 / sum w^2`` of the kept rows' weights (0 when none)."""
-    w = weights.detach().to(torch.float64)
-    sq = float((w * w).sum())
-    return float(w.sum()) ** 2 / sq if sq > 0 else 0.0
-
-
-# Loss types whose per-row contribution is the token MEAN of the row (the others: the token SUM).
-SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
-
-
 def default_length_exponent(loss_type: str) -> float:
     """``score_length_exponent``'s default: -0.5 for the per-sequence means (a row's gradient is a token mean,
     ``||g|| ~ |A| / sqrt(L)``), 0 for the token sums (``||g|| ~ |A| sqrt(L)``); the best of each measured by
     ``make bench-variance`` (``docs/benchmarks.md``)."""
     return -0.5 if loss_type in SEQUENCE_MEAN_LOSS_TYPES else 0.0
-
-
-def full_batch_normalizer(
-    loss_type: str,
-    rows_per_microbatch: int,
-    max_completion_length: int,
-    loss_tokens_in_generation_batch: float,
-    num_processes: int,
-    steps_per_generation: int,
-    accumulation_steps: int,
-) -> float:
-    """The normalizer ``Z`` of one micro-batch's loss, fixed by the FULL generation batch, never by the mask.
-
-    Summed over the ``steps_per_generation`` micro-batches of every rank (and averaged over ranks, as DDP
-    does), ``sum_n l_n / Z`` is TRL's full-batch loss: rows x ``GA`` (``grpo``, ``sapo``, ``luspo``: the mean
-    over rows), rows x ``max_completion_length`` x ``GA`` (``dr_grpo``), or the generation batch's loss tokens
-    ``/ P x GA / spg`` (``bnpo``, ``dapo``, ``cispo``, ``vespo``: the mean over tokens).
-    """
-    if loss_type in ("grpo", "sapo", "luspo"):
-        return float(rows_per_microbatch * accumulation_steps)
-    if loss_type == "dr_grpo":
-        return float(rows_per_microbatch * max_completion_length * accumulation_steps)
-    if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
-        return (
-            max(float(loss_tokens_in_generation_batch), 1.0) / num_processes * accumulation_steps / steps_per_generation
-        )
-    raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {SUPPORTED_LOSS_TYPES}")
-
-
-def trl_microbatch_normalizer(
-    loss_type: str,
-    rows_in_microbatch: int,
-    loss_tokens_in_microbatch: float,
-    max_completion_length: int,
-    loss_tokens_in_generation_batch: float,
-    num_processes: int,
-    steps_per_generation: int,
-    accumulation_steps: int,
-) -> float:
-    """The normalizer TRL 1.16's ``_compute_loss`` applies to a micro-batch in train mode: it counts the rows
-    (or, for ``bnpo``, the loss tokens) of THAT micro-batch, so after pruning it must be replaced."""
-    if loss_type == "bnpo":
-        return max(float(loss_tokens_in_microbatch), 1.0) * accumulation_steps
-    # The other types count the micro-batch's rows where the full-batch normalizer counts a full micro-batch.
-    return full_batch_normalizer(
-        loss_type,
-        rows_in_microbatch,
-        max_completion_length,
-        loss_tokens_in_generation_batch,
-        num_processes,
-        steps_per_generation,
-        accumulation_steps,
-    )
 
 
 def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:

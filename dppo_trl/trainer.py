@@ -36,6 +36,13 @@ from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 from .batch import filler_row, loss_mask, pad_to_width, select_rows, with_fillers
 from .callbacks import DataProgressBarCallback, DPPOSummaryCallback
 from .config import DPPOConfig, as_dppo_config
+from .estimator import (
+    SEQUENCE_MEAN_LOSS_TYPES,
+    effective_sample_size,
+    full_batch_normalizer,
+    horvitz_thompson_weights,
+    trl_microbatch_normalizer,
+)
 from .metrics import ratio, weighted_mean_stats, weighted_quantile
 from .packing import (
     assign_microbatches,
@@ -54,18 +61,12 @@ from .packing import (
 )
 from .prompt_hooks import PromptPruningHooks
 from .pruning import (
-    SEQUENCE_MEAN_LOSS_TYPES,
     PruneProblem,
     adaptive_entropy_coef,
     adaptive_keep_rate,
-    effective_sample_size,
-    full_batch_normalizer,
     get_design,
-    horvitz_thompson_weights,
     microbatch_sizes,
-    prompt_weighted_token_count,
     pruning_relative_error,
-    trl_microbatch_normalizer,
     unbiased_designs,
     vllm_importance_sampling_ratio,
     zero_spread_rows,
@@ -203,10 +204,9 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         scores = self._global_scores(output)
         keep, weights, pi = self._draw_keep_mask(output, scores)
         if self.args.prompt_pruning:
-            prompt_weights = self._take_prompt_decision(inputs, scores)
+            prompt_weights, count = self._take_prompt_decision(inputs, scores)
             weights = weights * prompt_weights
-            # The token-mean normalizer counts the batch GRPO would have drawn, not the accepted one.
-            count = prompt_weighted_token_count(self._row_tokens[:, 2], prompt_weights)
+            # A token count fixed before this batch's acceptance draw (estimator.prompt_pruning_normalization).
             output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
         if self.args.completion_pruning or self.args.prompt_pruning:
             self._log_pruning_metrics(output, keep, weights, pi, scores)

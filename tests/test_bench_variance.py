@@ -1,6 +1,7 @@
 """bench_variance: the estimator math against explicit vector arithmetic, and a minimal run of the program."""
 
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -13,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 import bench_variance as bv  # noqa: E402
 
-from dppo_trl.pruning import adaptive_keep_rate, horvitz_thompson_weights, systematic_sample  # noqa: E402
+from dppo_trl.estimator import horvitz_thompson_weights  # noqa: E402
+from dppo_trl.pruning import adaptive_keep_rate, systematic_sample  # noqa: E402
 
 
 def random_pool(batches=3, rows=6, params=9, seed=0):
@@ -88,7 +90,8 @@ def synthetic_batch():
     rewards = torch.tensor([1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0], dtype=torch.float64)
     advantages = bv.group_advantages(rewards, 4)
     history = torch.tensor([0.8, 0.0, 0.5, 0.1], dtype=torch.float64)
-    return bv.Batch(rewards, advantages, torch.full((16,), 4), torch.arange(3, 19), history, 4)
+    history_tokens = torch.tensor([5.0, 9.0, 12.0, 15.0], dtype=torch.float64)
+    return bv.Batch(rewards, advantages, torch.full((16,), 4), torch.arange(3, 19), history, 4, history_tokens)
 
 
 def test_advantages_compute_and_prompt_renormalization():
@@ -99,15 +102,42 @@ def test_advantages_compute_and_prompt_renormalization():
     assert bv.padded_tokens(batch) == 16 * (4 + 18)
     assert bv.packed_tokens(batch, every, every) <= bv.padded_tokens(batch)
     assert bv.packed_tokens(batch, every, torch.zeros(16, dtype=torch.bool)) == 0
-    prompt_weights = torch.where(torch.arange(16) < 8, 2.0, 0.0).double()
-    draw = bv.Draw(prompt_weights, prompt_weights > 0, prompt_weights > 0, prompt_weights, 0)
-    z = float(2.0 * batch.completion_tokens[:8].sum())
-    total = float(batch.completion_tokens.sum())
-    torch.testing.assert_close(bv.effective_weights(draw, batch, "dapo"), prompt_weights * total / z)
-    assert bv.effective_weights(draw, batch, "grpo") is draw.weights
+    # dapo under prompt pruning divides by D_b = G x the candidates' history tokens, whatever was accepted.
+    total, d = float(batch.completion_tokens.sum()), 4 * (5.0 + 9.0 + 12.0 + 15.0)
+    assert bv.prompt_token_normalizer(batch) == d
+    for accepted in (torch.arange(16) < 8, torch.arange(16) >= 4):
+        prompt_weights = torch.where(accepted, 2.0, 0.0).double()
+        draw = bv.Draw(prompt_weights, accepted, accepted, prompt_weights, 0)
+        torch.testing.assert_close(bv.effective_weights(draw, batch, "dapo"), prompt_weights * total / d,
+                                   rtol=1e-15, atol=0)  # fmt: skip
+        assert bv.effective_weights(draw, batch, "grpo") is draw.weights
     empty = bv.Draw(torch.zeros(16), torch.zeros(16, dtype=torch.bool), torch.zeros(16, dtype=torch.bool),
                     torch.zeros(16, dtype=torch.float64), 0)  # fmt: skip
     assert bv.effective_weights(empty, batch, "dapo").abs().sum() == 0
+
+
+def test_prompt_pruning_under_dapo_is_unbiased_for_the_planned_normalizer():
+    """Over every acceptance pattern of the synthetic batch (float64), prompt@'s dapo estimate has expectation
+    ``N_b / D_b``: the batch gradient times ``T_b / D_b`` (its only bias, the history's length error); the
+    prompt-weighted count it used before does not (a ratio estimate)."""
+    from dppo_trl.config import _DEFAULT_PROMPT_KEEP_FLOOR
+    from dppo_trl.prompts import prompt_acceptance_probabilities
+
+    batch = synthetic_batch()
+    q = prompt_acceptance_probabilities(batch.history, torch.ones(4, dtype=torch.bool), 0.5, _DEFAULT_PROMPT_KEEP_FLOOR)
+    target = float(batch.completion_tokens.sum()) / bv.prompt_token_normalizer(batch)
+    expected, ratio = torch.zeros(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
+    for pattern in itertools.product([False, True], repeat=4):
+        prob = math.prod(float(q[j]) if a else 1 - float(q[j]) for j, a in enumerate(pattern))
+        rows = torch.tensor(pattern).repeat_interleave(4)
+        prompt_weights = torch.where(rows, 1.0 / q.repeat_interleave(4), 0.0)
+        expected += prob * bv.effective_weights(bv.Draw(prompt_weights, rows, rows, prompt_weights, 0), batch, "dapo")
+        z = float((prompt_weights * batch.completion_tokens.double()).sum())
+        ratio += prob * (prompt_weights * float(batch.completion_tokens.sum()) / z if z > 0 else 0.0)
+    torch.testing.assert_close(expected, torch.full((16,), target, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert float((ratio - 1.0).abs().max()) > 0.05
+    exact = bv.draw_design("prompt+exact_lengths@0.5", batch, torch.Generator().manual_seed(0))
+    assert exact.prompt_weights is None and bv.effective_weights(exact, batch, "dapo") is exact.weights
 
 
 def test_every_design_draws_weights_only_on_passed_rows():
@@ -225,6 +255,43 @@ def test_balance_metrics_on_a_tiny_batch():
     draws = bv.batch_draws("poisson@0.3", batch, {}, 50, ("poisson@0.3",), None)
     tokens = torch.tensor([float(batch.cost[d.passed].sum()) for d in draws], dtype=torch.float64)
     assert stats["poisson@0.3"]["kept_tokens_rel_sd"] == pytest.approx(float(tokens.std(correction=0) / tokens.mean()))
+
+
+def _row(checkpoint, loss_type, design, mse, bias=0.1):
+    stats = dict(kept_fraction=0.5, compute=100.0, mse=mse, relative_error=1.0, bias=bias, bias_noise=0.1,
+                 kept_rows_sd=0.0, kept_tokens_rel_sd=0.0, group_imbalance=0.0)  # fmt: skip
+    return {"checkpoint": checkpoint, "loss_type": loss_type, "design": design, "keep_rate": None, **stats}
+
+
+def test_merge_replaces_only_the_measured_designs_rows():
+    designs = ["grpo", "systematic@0.5", "prompt@0.5", "oracle@0.5"]
+    old = [_row(c, lt, d, mse) for c in (1, 2) for lt in ("dapo", "grpo") for d, mse in zip(designs, (4, 2, 8, 1))]
+    saved = {"config": {"designs": designs}, "elapsed_s": 9.0, "checkpoints": [{}], "results": bv.add_ratios(old)}
+    saved["summary"] = bv.summarize(saved["results"])
+    fresh_rows = [_row(c, lt, d, mse, bias) for c in (1, 2) for lt in ("dapo", "grpo")
+                  for d, mse, bias in (("grpo", 4, 0.0), ("prompt@0.5", 16, 0.01))]  # fmt: skip
+    fresh = {"config": {"designs": ["grpo", "prompt@0.5"]}, "elapsed_s": 2.0, "results": bv.add_ratios(fresh_rows)}
+    merged = bv.merge_results(json.loads(json.dumps(saved)), fresh)
+    assert [(r["checkpoint"], r["loss_type"], r["design"]) for r in merged["results"]] == [
+        (r["checkpoint"], r["loss_type"], r["design"]) for r in saved["results"]]  # fmt: skip
+    by = {(r["checkpoint"], r["loss_type"], r["design"]): r for r in merged["results"]}
+    assert by[1, "dapo", "prompt@0.5"]["mse"] == 16 and by[1, "dapo", "prompt@0.5"]["bias"] == 0.01
+    assert by[2, "grpo", "prompt@0.5"]["efficiency"] == 4 / 16
+    assert by[2, "grpo", "prompt@0.5"]["efficiency_to_oracle"] == (4 / 16) / 4  # against the kept oracle row
+    assert by[1, "dapo", "systematic@0.5"] == saved["results"][1]
+    assert {s["design"]: s["mse_ratio"] for s in merged["summary"] if s["loss_type"] == "dapo"}["prompt@0.5"] == 4
+    assert merged["config"]["merged"] == [{"designs": ["grpo", "prompt@0.5"], "elapsed_s": 2.0, "same_pools": True}]
+    # Another pool (another machine's model cache): refused, or merged keeping the fresh run's own ratios.
+    for r in fresh["results"]:
+        r["mse"] *= 1.25
+    fresh["checkpoints"] = [{"steps": 1}]
+    with pytest.raises(SystemExit, match="not the same pools"):
+        bv.merge_results(saved, fresh)
+    other = bv.merge_results(json.loads(json.dumps(saved)), fresh, new_pools=True)
+    by = {(r["checkpoint"], r["loss_type"], r["design"]): r for r in other["results"]}
+    assert by[1, "dapo", "grpo"] == saved["results"][0] and by[1, "dapo", "prompt@0.5"]["pool"] == 0
+    assert by[1, "dapo", "prompt@0.5"]["efficiency"] == 4 / 16 and by[1, "dapo", "prompt@0.5"]["mse"] == 20
+    assert other["config"]["merged"][0]["same_pools"] is False and other["config"]["merged"][0]["checkpoints"]
 
 
 def reward_with_spread(completions, prompts=None, answer=None, **kwargs):

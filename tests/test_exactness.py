@@ -18,14 +18,14 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
 from dppo_trl.packing import packed_allocation, plan_forward_calls
-from dppo_trl.prompts import PromptPruningSampler
-from dppo_trl.pruning import (
+from dppo_trl.estimator import (
     SUPPORTED_LOSS_TYPES,
     full_batch_normalizer,
     horvitz_thompson_weights,
     prompt_weighted_token_count,
-    zero_spread_rows,
 )
+from dppo_trl.prompts import PromptPruningSampler
+from dppo_trl.pruning import zero_spread_rows
 
 VARLEN = varlen_reference.register()
 
@@ -93,50 +93,52 @@ G = torch.cat([torch.zeros(PROMPTS // 2), torch.linspace(0.5, 1.5, PROMPTS // 2,
 
 @functools.lru_cache(maxsize=1)
 def _planned_batches(seeds=300):
-    """(prompts, weights) of every batch the real sampler plans over ``seeds`` epochs, with the short prompts'
-    history at 0 (acceptance at the floor 0.1) and the long ones' at 1."""
+    """(prompts, weights, planned token count) of every batch the real sampler plans over ``seeds`` epochs, with
+    the short prompts' history at 0 (acceptance at the floor 0.1) and the long ones' at 1, and each prompt's
+    loss-token history its length."""
     batches = []
     for seed in range(seeds):
         sampler = PromptPruningSampler(PROMPTS, 1, PER_BATCH, 1, keep_rate=0.5, keep_floor=0.1, history_decay=0.0,
                                        seed=seed, accept_seed=10_000 + seed, max_epochs=1)  # fmt: skip
-        sampler.update(list(range(PROMPTS)), [0.0] * (PROMPTS // 2) + [1.0] * (PROMPTS // 2))
-        batches += [(torch.tensor(b["prompts"]), torch.tensor(b["weights"], dtype=torch.float64))
+        sampler.update(list(range(PROMPTS)), [0.0] * (PROMPTS // 2) + [1.0] * (PROMPTS // 2), TOKENS.tolist())
+        batches += [(torch.tensor(b["prompts"]), torch.tensor(b["weights"], dtype=torch.float64), b["normalizer"])
                     for b in sampler._plan_epoch()]  # fmt: skip
     return batches
 
 
-def _prompt_pruning_step_means(loss_type, weighted):
+def _prompt_pruning_step_means(loss_type, planned):
     """Mean step 'gradient' under prompt pruning and under GRPO's uniform batches, normalized as DPPO
-    normalizes ``loss_type`` (the prompt-weighted token count, or the accepted batch's raw count)."""
+    normalizes ``loss_type`` (the planned token count, or the accepted batch's raw count)."""
 
-    def step(prompts, w):
-        count = prompt_weighted_token_count(TOKENS[prompts], w) if weighted else float(TOKENS[prompts].sum())
+    def step(prompts, w, count):
+        count = float(TOKENS[prompts].sum()) if count is None else count
         return float((w * G[prompts]).sum()) / full_batch_normalizer(loss_type, PER_BATCH, 128, count, 1, 1, 1)
 
-    dppo = [step(p, w) for p, w in _planned_batches()]
+    dppo = [step(p, w, d if planned else None) for p, w, d in _planned_batches()]
     generator = torch.Generator().manual_seed(0)
-    grpo = [step(torch.randperm(PROMPTS, generator=generator)[:PER_BATCH], torch.ones(PER_BATCH, dtype=torch.float64))
-            for _ in range(20_000)]  # fmt: skip
+    grpo = [step(torch.randperm(PROMPTS, generator=generator)[:PER_BATCH], torch.ones(PER_BATCH, dtype=torch.float64),
+                 None) for _ in range(20_000)]  # fmt: skip
     return sum(dppo) / len(dppo), sum(grpo) / len(grpo)
 
 
 @pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
 def test_prompt_pruning_keeps_the_expected_step_gradient_for_every_loss_type(loss_type):
-    dppo, grpo = _prompt_pruning_step_means(loss_type, weighted=True)
+    dppo, grpo = _prompt_pruning_step_means(loss_type, planned=True)
     assert dppo == pytest.approx(grpo, rel=0.02)
 
 
 def test_the_accepted_batchs_raw_token_count_would_be_biased():
     """The scenario discriminates: normalizing dapo by the accepted batch's own token count is far off."""
-    dppo, grpo = _prompt_pruning_step_means("dapo", weighted=False)
+    dppo, grpo = _prompt_pruning_step_means("dapo", planned=False)
     assert abs(dppo / grpo - 1) > 0.1
 
 
 class NormalizerRecorder(DPPOTrainer):
     def _take_prompt_decision(self, inputs, scores):
-        weights = super()._take_prompt_decision(inputs, scores)
-        self.__dict__.setdefault("prompt_weights", []).append(weights)
-        return weights
+        planned = self._prompt_sampler.decisions[self._next_prompt_batch]["normalizer"]
+        weights, count = super()._take_prompt_decision(inputs, scores)
+        self.__dict__.setdefault("prompt_weights", []).append((weights, planned))
+        return weights, count
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -145,13 +147,18 @@ class NormalizerRecorder(DPPOTrainer):
         return out
 
 
-def test_trainer_normalizes_by_the_prompt_weighted_token_count(tmp_path, tiny_model_dir, train_dataset):
+def test_trainer_normalizes_by_the_planned_token_count(tmp_path, tiny_model_dir, train_dataset):
+    """The token count is the sampler's planned D (fixed before the epoch's acceptance draw), not the accepted
+    batch's prompt-weighted count; in the first epoch (nothing seen, every prompt accepted) it is GRPO's own."""
     trainer = train(NormalizerRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(4)),
                     max_steps=6, prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo")  # fmt: skip
     assert len(trainer.seen) == len(trainer.prompt_weights) == 6
-    for (normalizer, tokens), weights in zip(trainer.seen, trainer.prompt_weights):
-        assert normalizer == pytest.approx(prompt_weighted_token_count(tokens, weights))
-    assert any(bool((w != 1).any()) for w in trainer.prompt_weights)  # the later epochs are weighted
+    for (normalizer, tokens), (weights, planned) in zip(trainer.seen, trainer.prompt_weights):
+        assert normalizer == (float(tokens.sum()) if planned is None else planned)
+    assert trainer.prompt_weights[0][1] is None and any(p is not None for _, p in trainer.prompt_weights)
+    assert any(bool((w != 1).any()) for w, _ in trainer.prompt_weights)  # the later epochs are weighted
+    assert any(normalizer != prompt_weighted_token_count(tokens, weights)
+               for (normalizer, tokens), (weights, _) in zip(trainer.seen, trainer.prompt_weights))  # fmt: skip
 
 
 @pytest.mark.parametrize("setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"}])

@@ -61,7 +61,7 @@ def test_first_epoch_accepts_everything_in_repeat_samplers_order():
 def test_prompts_with_q_one_are_never_skipped():
     sampler = make_sampler(n=8)
     list(sampler)
-    sampler.update(range(8), [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 5.0])  # two prompts get q = 1
+    sampler.update(range(8), [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 5.0], [3.0] * 8)  # two prompts get q = 1
     q = sampler.acceptance()
     always = [i for i in range(8) if q[i] == 1.0]
     assert always == [6, 7]
@@ -102,7 +102,7 @@ def test_sampler_steps_are_unbiased_statistically():
     g = _gradient_table(n)
     sampler = make_sampler(n=n, batch=1)
     list(sampler)  # epoch 1: all unseen
-    sampler.update(range(n), [0.0, 0.1, 0.4, 1.0, 2.0, 0.2])
+    sampler.update(range(n), [0.0, 0.1, 0.4, 1.0, 2.0, 0.2], [5.0] * n)
     sampler.update = lambda *a, **k: None  # freeze the history
     estimates = []
     for _ in range(3000):
@@ -114,6 +114,176 @@ def test_sampler_steps_are_unbiased_statistically():
     mean, stderr = estimates.mean(0), estimates.std(0) / math.sqrt(len(estimates))
     assert torch.all((mean - g.mean(0)).abs() < 4 * stderr), (mean, g.mean(0), stderr)
     assert sampler.epoch > 1.3 * 3000  # it walked more data epochs than iterations: it did skip prompts
+
+
+def _frozen_sampler(q, n=4, batch=2, group=2, **kwargs):
+    """A sampler whose acceptance is the fixed ``q`` (every prompt seen, loss tokens 3 per completion)."""
+    sampler = make_sampler(n=n, batch=batch, group_size=group, **kwargs)
+    sampler.update(range(n), [1.0] * n, [3.0] * n)
+    sampler.acceptance = lambda: q
+    return sampler
+
+
+def _with_draws(sampler, epochs_of_draws):
+    """Replace the acceptance draw: epoch ``e`` accepts prompt ``i`` iff ``epochs_of_draws[e][i]``."""
+    draws = iter(epochs_of_draws)
+    sampler._accepted = lambda order, q: (lambda pattern: [bool(pattern[i]) for i in order])(next(draws))
+    return sampler
+
+
+def _pattern_probability(pattern, qs):
+    return math.prod(float(q[i]) if a else 1.0 - float(q[i]) for draws, q in zip(pattern, qs)
+                     for i, a in enumerate(draws))  # fmt: skip
+
+
+def test_every_accepted_prompt_trains_once_and_the_per_step_ratio_is_exact():
+    """4 prompts, 2 per batch, a fixed q, 3 epochs: every acceptance pattern enumerated (4096, float64). Each
+    accepted prompt trains exactly once, in its epoch's batches or at the head of the next epoch's first one,
+    except the run's final leftover (fewer than 2 prompts). So, counting that leftover, each prompt's expected
+    weighted share per step is 2 / 4, GRPO's, exactly (dropping the incomplete batch, as the sampler did, gives
+    shares from 0.39 to 0.65 here; without the leftover, 0.45 to 0.52)."""
+    n, size, epochs = 4, 2, 3
+    q = torch.tensor([1.0, 0.6, 0.3, 0.1], dtype=torch.float64)
+    q_bar = float(q.mean())
+    trained, leftover = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    steps = leftover_count = total = 0.0
+    for flat in itertools.product([0, 1], repeat=n * epochs):
+        pattern = [flat[e * n : (e + 1) * n] for e in range(epochs)]
+        prob = _pattern_probability(pattern, [q] * epochs)
+        sampler = _with_draws(_frozen_sampler(q, n, size), pattern)
+        batches = [b for _ in range(epochs) for b in sampler._plan_epoch()]
+        assert len(sampler.carry) < size
+        taken = [i for b in batches for i in b["prompts"]] + [entry[0] for entry in sampler.carry]
+        assert sorted(taken) == sorted(i for draws in pattern for i, a in enumerate(draws) if a)
+        assert sum(b["walked"] for b in batches) + sampler.walk_owed == epochs * n  # data progress: every candidate
+        for b in batches:
+            for i, w in zip(b["prompts"], b["weights"]):
+                trained[i] += prob * w
+        for i, w, _ in sampler.carry:
+            leftover[i] += prob * w
+        steps += prob * len(batches)
+        leftover_count += prob * len(sampler.carry)
+        total += prob
+    assert total == pytest.approx(1.0, rel=1e-12)
+    torch.testing.assert_close(trained + leftover, torch.full((n,), epochs * q_bar, dtype=torch.float64),
+                               rtol=1e-12, atol=0)  # fmt: skip
+    assert steps * size + leftover_count == pytest.approx(epochs * q_bar * n, rel=1e-12)
+    share = (trained + leftover) / (steps + leftover_count / size)
+    torch.testing.assert_close(share, torch.full((n,), size / n, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def _expected_run(loss_type, normalizer_of):
+    """Two epochs of the real sampler (4 prompts, 2 per batch, 2 completions each) over every acceptance pattern,
+    with a history update between them that changes q and D (so the prompts carried into epoch 2 were normalized
+    in epoch 1): ``(E[sum of the steps' terms + the final leftover's], the claim sum_e q_bar_e sum_j g_j / D_e)``.
+    A step is ``sum_j w_j g_j / Z`` with ``Z`` the trainer's ``full_batch_normalizer`` of the batch's
+    ``normalizer_of(batch, loss_tokens)`` (the count, and a factor per prompt)."""
+    from dppo_trl.estimator import full_batch_normalizer
+
+    n, size, group = 4, 2, 2
+    g = torch.tensor([3.0, -1.0, 2.0, 0.5], dtype=torch.float64)  # each prompt's summed per-token (or per-row) term
+    tokens = torch.tensor([[4, 6], [20, 30], [9, 1], [50, 40]], dtype=torch.float64)  # its completions' loss tokens
+    expected, claim = 0.0, None
+    for flat in itertools.product([0, 1], repeat=2 * n):
+        pattern = [flat[:n], flat[n:]]
+        sampler = make_sampler(n=n, batch=size, group_size=group, keep_rate=0.5, keep_floor=0.1)
+        sampler.update(range(n), [0.0, 0.4, 1.0, 2.0], [7.0, 30.0, 4.0, 40.0])  # lengths: estimates, not exact
+        qs, ds = [sampler.acceptance()], [sampler.normalizer()]
+        _with_draws(sampler, pattern)
+        batches = sampler._plan_epoch()
+        sampler.update(range(n), [1.5, 0.0, 0.3, 0.8], [5.0, 20.0, 5.0, 60.0])  # fixed: not draw-dependent
+        qs.append(sampler.acceptance())
+        ds.append(sampler.normalizer())
+        batches += sampler._plan_epoch()
+        prob = _pattern_probability(pattern, qs)
+        run = 0.0
+        for b in batches:
+            loss_tokens = tokens[b["prompts"]].flatten()
+            count, factors = normalizer_of(b, loss_tokens)
+            z = full_batch_normalizer(loss_type, size * group, 64, count, 1, 1, 1)
+            run += sum(w * f * float(g[i]) for i, w, f in zip(b["prompts"], b["weights"], factors)) / z
+        for i, w, d in sampler.carry:  # the final leftover, as it would train (its own D)
+            run += w * float(g[i]) / full_batch_normalizer(loss_type, size * group, 64, d, 1, 1, 1)
+        expected += prob * run
+        per_step = [full_batch_normalizer(loss_type, size * group, 64, d, 1, 1, 1) for d in ds]
+        claim = sum(float(q.mean()) * float(g.sum()) / z for q, z in zip(qs, per_step))
+    return expected, claim
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_the_expected_step_is_grpos_numerator_over_the_planned_normalizer(loss_type):
+    """Exact enumeration (256 patterns, float64): with the trainer's normalization
+    (``estimator.prompt_pruning_normalization``), the expected sum of the steps' terms is
+    ``sum_e q_bar_e x sum_j g_j / D_e`` (``dapo``: ``D_e`` the planned token count; ``grpo``: the rows), while the
+    expected number of steps is ``sum_e q_bar_e x M / P``: per step, GRPO's expected numerator
+    ``E[N_B] = (P / M) sum_j g_j`` over ``D_e``. The random prompt-weighted count (the previous normalizer) is
+    off by a ratio estimate's bias; dropping the carried prompts' own normalizer is off too."""
+    from dppo_trl.estimator import prompt_pruning_normalization, prompt_weighted_token_count
+
+    def planned(batch, loss_tokens):
+        return prompt_pruning_normalization(loss_type, batch["normalizer"], batch["normalizers"], loss_tokens)
+
+    expected, claim = _expected_run(loss_type, planned)
+    assert expected == pytest.approx(claim, rel=1e-12)
+    if loss_type == "dapo":
+
+        def weighted_count(batch, loss_tokens):
+            w = torch.tensor(batch["weights"], dtype=torch.float64).repeat_interleave(2)
+            return prompt_weighted_token_count(loss_tokens, w), [1.0] * len(batch["prompts"])
+
+        def batch_d_only(batch, loss_tokens):
+            return batch["normalizer"], [1.0] * len(batch["prompts"])
+
+        for wrong in (weighted_count, batch_d_only):
+            assert abs(_expected_run(loss_type, wrong)[0] / claim - 1) > 1e-3, wrong.__name__
+
+
+def test_the_normalizer_is_fixed_before_the_acceptance_draw():
+    """The planned D of an epoch's batches is the same whatever the acceptance draw (it is a function of the
+    history only: P x G x the mean loss tokens per completion of the seen prompts), and so is the trainer's count;
+    in an epoch with nothing seen it is None and the trainer counts the batch, as GRPO does."""
+    from dppo_trl.estimator import prompt_pruning_normalization
+
+    first = make_sampler(n=6, batch=2)
+    batch = first._plan_epoch()[0]
+    assert batch["normalizer"] is None and batch["normalizers"] == [None, None]
+    tokens = torch.tensor([3.0, 5.0, 7.0, 9.0], dtype=torch.float64)
+    assert prompt_pruning_normalization("dapo", None, [None, None], tokens) == (24.0, [1.0, 1.0])
+    normalizers, counts = set(), set()
+    for seed in range(40):
+        sampler = make_sampler(n=6, batch=2, accept_seed=seed)
+        sampler.update(range(5), [0.0, 0.1, 0.5, 1.0, 2.0], [3.0, 5.0, 10.0, 2.0, 6.0])  # prompt 5 unseen
+        for b in sampler._plan_epoch():
+            normalizers.update(b["normalizers"] + [b["normalizer"]])
+            draws = torch.rand(4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 40
+            counts.add(prompt_pruning_normalization("dapo", b["normalizer"], b["normalizers"], draws)[0])
+    assert normalizers == counts == {2 * 2 * (3 + 5 + 10 + 2 + 6) / 5}
+
+
+def test_sampler_state_round_trips_the_length_history_and_the_carry():
+    """A resumed sampler plans the next epochs as the original does: the loss-token history, the prompts carried
+    over (with their weights and normalizers) and the walk owed are in its state (JSON, as in checkpoints)."""
+    import json
+
+    def build():
+        sampler = make_sampler(n=7, batch=3, accept_seed=11)
+        sampler.update(range(7), [0.0, 0.2, 0.4, 1.0, 2.0, 0.1, 0.3], [3.0, 8.0, 1.0, 4.0, 9.0, 2.0, 5.0])
+        return sampler
+
+    original = build()
+    for _ in range(6):  # plan until some prompts are carried over
+        original.plan = original._plan_epoch()
+        if original.carry:
+            break
+    assert original.carry
+    original.update([0, 3], [0.5, 0.5], [11.0, 13.0])
+    state = json.loads(json.dumps(original.state_dict()))
+    resumed = build()
+    resumed.load_state_dict(state, next_batch=original.batches_planned)
+    assert torch.equal(resumed.lengths, original.lengths) and resumed.carry == original.carry
+    assert resumed.walk_owed == original.walk_owed and resumed.plan == original.plan
+    for _ in range(3):
+        assert resumed._plan_epoch() == original._plan_epoch()
 
 
 @pytest.fixture(scope="module")

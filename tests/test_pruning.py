@@ -13,15 +13,18 @@ from test_unbiased import LOSS_TYPES
 
 from dppo_trl import pruning
 from dppo_trl.cube import cube_outcomes
+from dppo_trl.estimator import (
+    effective_sample_size,
+    full_batch_normalizer,
+    horvitz_thompson_weights,
+    trl_microbatch_normalizer,
+)
 from dppo_trl.pruning import (
     PruneProblem,
     adaptive_keep_rate,
     balancing_variables,
-    effective_sample_size,
-    full_batch_normalizer,
     get_design,
     grouped_order,
-    horvitz_thompson_weights,
     keep_probabilities,
     microbatch_sizes,
     pruning_relative_error,
@@ -29,7 +32,6 @@ from dppo_trl.pruning import (
     stratified_order,
     systematic_sample,
     topk_mask,
-    trl_microbatch_normalizer,
     unbiased_designs,
     zero_variance_mask,
 )

@@ -14,11 +14,11 @@ from trl import GRPOTrainer
 
 from dppo_trl import DPPOTrainer
 from dppo_trl.cube import cube_outcomes
+from dppo_trl.estimator import horvitz_thompson_weights
 from dppo_trl.pruning import (
     PruneProblem,
     balancing_variables,
     grouped_order,
-    horvitz_thompson_weights,
     keep_probabilities,
     stratified_order,
     systematic_sample,
