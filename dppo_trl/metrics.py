@@ -14,12 +14,12 @@ import torch
 
 def weighted_mean_stats(values: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``[sum w x mask, sum w mask]`` over a micro-batch (to be summed over ranks, then divided): token level
-    for ``values`` of shape (B, T); one value per row for shape (B, 1) (a row with no loss token counts 0)."""
+    for ``values`` of shape (B, T); one value per row for shape (B, 1), every row counted as TRL counts it (a row
+    with no loss token too; fillers have ``w = 0``)."""
     w = weights.detach().to(torch.float64)
     x = values.detach().to(torch.float64)
     if x.dim() == 2 and x.size(1) == 1:
-        present = (mask.sum(-1) > 0).to(torch.float64)
-        return torch.stack([(w * present * x.squeeze(1)).sum(), (w * present).sum()])
+        return torch.stack([(w * x.squeeze(1)).sum(), w.sum()])
     m = mask.to(torch.float64) * w.unsqueeze(1)
     return torch.stack([(x * m).sum(), m.sum()])
 

@@ -79,6 +79,48 @@ def microbatch_order(num_microbatches: int, generator: torch.Generator) -> list[
     return torch.randperm(num_microbatches, generator=generator).tolist()
 
 
+def even_split(num_rows: int, num_microbatches: int, order: list[int]) -> list[list[int]]:
+    """Positions ``0..num_rows-1`` cut into ``num_microbatches`` consecutive bins whose sizes differ by at most
+    one, the larger ones at the bins ``order[:extra]`` (``extra = num_rows % num_microbatches``): with
+    ``num_rows`` a multiple of ``num_microbatches``, TRL's own equal split of its shuffled batch."""
+    base, extra = divmod(num_rows, num_microbatches)
+    larger = set(order[:extra])
+    sizes = [base + (j in larger) for j in range(num_microbatches)]
+    bounds = [sum(sizes[:j]) for j in range(num_microbatches + 1)]
+    return [list(range(bounds[j], bounds[j + 1])) for j in range(num_microbatches)]
+
+
+def microbatch_plan(
+    own_lengths: list[int],
+    kept_lengths_per_rank: list[list[int]],
+    num_microbatches: int,
+    max_rows: int,
+    packing: bool,
+    generator: torch.Generator,
+) -> tuple[list[list[int]], list[int]]:
+    """This rank's micro-batches ``(bins, sizes)``: ``bins[j]`` the positions (into ``own_lengths``, this rank's
+    kept rows in TRL's shuffled order) of micro-batch ``j``; ``sizes[j]`` its row count, the same on every rank
+    (the most rows any rank puts there, at least 1: a rank short of rows fills with zero-weight fillers), from
+    ``kept_lengths_per_rank`` (every rank's kept lengths, in any order). Each rank splits its OWN rows, with one
+    random order of the micro-batches drawn from ``generator`` (the same on every rank). Packing: LPT bins by
+    tokens (``assign_microbatches``), taken in that order. Otherwise an even split of the shuffled rows whose
+    larger bins are the first of that order (``even_split``; TRL's split when the rows divide evenly). Either
+    way, with ``gradient_accumulation_steps < num_microbatches`` each optimizer step's expected share of a rank's
+    kept rows is ``gradient_accumulation_steps / num_microbatches``, whatever the rank kept, and the shuffle makes
+    it every row's probability of landing there. Integer arithmetic only: ranks given the same gathered lengths
+    and generator agree exactly."""
+    order = microbatch_order(num_microbatches, generator)
+
+    def split(lengths: list[int]) -> list[list[int]]:
+        if packing:
+            bins = assign_microbatches(lengths, num_microbatches, max_rows)
+            return [bins[j] for j in order]
+        return even_split(len(lengths), num_microbatches, order)
+
+    counts = [[len(b) for b in split(lengths)] for lengths in kept_lengths_per_rank]
+    return split(own_lengths), [max(1, *column) for column in zip(*counts)]
+
+
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
     """Positions (into ``lengths``) of the sequences of each packed row: as few rows as first-fit decreasing
     needs, each holding at most ``budget`` tokens unless it is a single sequence longer than the budget, and

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 
 import torch
+from accelerate.utils import broadcast_object_list
 from datasets import IterableDataset
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -45,13 +46,11 @@ from .estimator import (
 )
 from .metrics import ratio, weighted_mean_stats, weighted_quantile
 from .packing import (
-    assign_microbatches,
     balance_ranks,
     default_packed_tokens,
     exchange_plan,
     is_varlen_attention,
-    microbatch_order,
-    microbatch_row_counts,
+    microbatch_plan,
     pack_call,
     packed_allocation,
     packed_inputs,
@@ -65,7 +64,6 @@ from .pruning import (
     adaptive_entropy_coef,
     adaptive_keep_rate,
     get_design,
-    microbatch_sizes,
     pruning_relative_error,
     unbiased_designs,
     vllm_importance_sampling_ratio,
@@ -78,6 +76,7 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
     batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
 
     _tag_names = ["trl", "grpo", "dppo"]
+    _loss_row_weights: torch.Tensor | None = None  # rows' weights while DPPO's loss runs (the entropy filter)
 
     def __init__(
         self,
@@ -119,7 +118,6 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         """DPPO's per-run state and callbacks, once TRL has built the trainer."""
         self._deferred_logp_calls: list | None = None
         self._captured_logps: list | None = None
-        self._loss_row_weights: torch.Tensor | None = None  # rows' weights while TRL's loss runs (entropy filter)
         self._compute_aux_loss = False  # the MoE router loss of the loss pass, computed beside TRL's
         self._last_entropy_mask: torch.Tensor | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
@@ -263,7 +261,8 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         if beta != 0.0:
             loss = loss + beta * self._weighted_kl(logps, inputs, mask, weight) / full_z
         if bonus:
-            tokens = full_batch_normalizer("dapo", 1, **norm_args) * self.top_entropy_quantile
+            self._log_policy_loss(loss)
+            tokens = full_batch_normalizer("dapo", 1, **norm_args)
             loss = loss - self._weighted_entropy_bonus(entropies, mask, weight, tokens)
         if self.aux_loss_enabled:  # a regularizer of the rows forwarded, as GRPO's is of its micro-batch
             loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
@@ -271,12 +270,26 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         self._log_weighted_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
         return loss
 
+    def _log_policy_loss(self, loss) -> None:
+        """TRL's ``policy_loss`` metric (the loss before the entropy bonus, on TRL's scale: before the division by
+        the accumulation steps for the row- and micro-batch-normalized loss types), here the Horvitz-Thompson
+        estimate of GRPO's."""
+        scale = 1 if self.loss_type in ("cispo", "dapo", "vespo") else self.current_gradient_accumulation_steps
+        policy_loss = (loss.detach() * scale).reshape(1)
+        self._metrics["train"]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+
     def _weighted_entropy_bonus(self, entropies, mask, weight, full_batch_tokens) -> torch.Tensor:
-        """TRL's entropy bonus ``coef x`` token-mean entropy, as a Horvitz-Thompson sum over the kept rows'
-        (filtered) tokens over the full batch's count (``top_entropy_quantile`` x loss tokens); the adaptive
-        controller (TRL's rule and state) measures the weighted window entropy."""
+        """TRL's entropy bonus ``coef x`` token-mean entropy over the tokens it acts on, as a Horvitz-Thompson sum
+        over the kept rows' tokens over the full batch's count of those tokens: the loss tokens, or under the
+        entropy filter the loss tokens times the weighted fraction of this micro-batch's tokens (all ranks) that
+        the filter keeps, TRL's count of filtered tokens when every row is kept on one process (a ratio estimate
+        under pruning). The adaptive controller (TRL's rule and state) measures the weighted window entropy."""
         effective = mask if self._last_entropy_mask is None else mask * self._last_entropy_mask
         weighted = effective * weight.to(entropies.dtype).unsqueeze(1)
+        if self._last_entropy_mask is not None:
+            counts = torch.stack([weighted.sum(), (mask * weight.unsqueeze(1)).to(weighted.dtype).sum()]).detach()
+            counts = self.accelerator.reduce(counts.double(), reduction="sum")
+            full_batch_tokens = full_batch_tokens * float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
         apply_coef = self.entropy_coef
         if self.use_adaptive_entropy:  # the coefficient of the previous step's end, for the whole window
             apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
@@ -384,28 +397,38 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         return (base * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
 
     def _draw_keep_mask(self, output, scores):
-        """The global keep decision (identical on every rank): ``(keep, weight, pi)`` over every rank's rows
-        (``pi`` None for the deterministic designs). Also records every rank's kept sequence lengths, from
+        """The global keep decision, the main process's on every rank (``_same_on_every_rank``): ``(keep, weight,
+        pi)`` over every rank's rows (``pi`` None for the deterministic designs). Also records every rank's kept sequence lengths, from
         which each rank derives the common micro-batch row counts and forward calls."""
         local_rows = output["advantages"].size(0)
         self._gather_row_tokens(output)
         lengths = self._row_tokens[:, :2].sum(1)
         loss_tokens = self._row_tokens[:, 2]
-        pi, self._prune_summary = None, None
-        if not self.args.completion_pruning:  # packing only: every row, weight 1
-            keep = torch.ones_like(scores, dtype=torch.bool)
-        else:
-            problem = self._prune_problem(scores, lengths, loss_tokens)
-            generator = torch.Generator().manual_seed(self._prune_seed())
-            keep, pi = get_design(self.args.prune_sampling)(problem, generator)
-            if pi is not None:
-                self._prune_summary = (problem.keep_rate, pruning_relative_error(pi, problem.scores))
+        keep, pi, self._prune_summary = self._same_on_every_rank(self._decide_keep(scores, lengths, loss_tokens))
         weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
         self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
         world = self.accelerator.num_processes
         per_rank = zip(lengths.view(world, local_rows), keep.view(world, local_rows))
         self._kept_lengths_per_rank = [rank_lengths[kept].tolist() for rank_lengths, kept in per_rank]
         return keep, weights, pi
+
+    def _decide_keep(self, scores, lengths, loss_tokens) -> tuple:
+        """``(keep, pi, summary)`` of the generation batch: the design's mask and keep probabilities (``pi`` None
+        for the deterministic designs) and ``(keep rate, estimated pruning error)`` (None without ``pi``)."""
+        if not self.args.completion_pruning:  # packing only: every row, weight 1
+            return torch.ones_like(scores, dtype=torch.bool), None, None
+        problem = self._prune_problem(scores, lengths, loss_tokens)
+        keep, pi = get_design(self.args.prune_sampling)(problem, torch.Generator().manual_seed(self._prune_seed()))
+        summary = None if pi is None else (problem.keep_rate, pruning_relative_error(pi, problem.scores))
+        return keep, pi, summary
+
+    def _same_on_every_rank(self, value):
+        """The main process's ``value``, sent to every rank (pickled, so bit for bit). Decisions that every rank
+        must share (keep mask, prompt acceptance) are taken from it, never from each rank's own floats: the last
+        bit of a float can differ between machines, and a design can be chaotic in it (``balanced``'s SVD)."""
+        if self.accelerator.num_processes == 1:
+            return value
+        return broadcast_object_list([value], from_process=0)[0]
 
     def _prune_problem(self, scores, lengths, loss_tokens) -> PruneProblem:
         """What the design sees of the generation batch; with ``adaptive_keep_error``, at the batch's own rate."""
@@ -614,26 +637,19 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         return logps, entropies, out.aux_loss if compute_aux_loss else None
 
     def _kept_microbatches(self, batch) -> list[dict]:
-        """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches, by
-        tokens (packing: LPT, at most ``per_device_train_batch_size`` rows each where the rows allow, then in a
-        random order shared by every rank) or evenly by rows, with the same row count on every rank in each
-        micro-step; a slot with no kept row fills up with zero-weight filler rows of one token."""
+        """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches
+        (``microbatch_plan``: by tokens with packing, at most ``per_device_train_batch_size`` rows each where the
+        rows allow, or evenly by rows; in a random order shared by every rank), with the same row count on every
+        rank in each micro-step; a slot with no kept row fills up with zero-weight filler rows of one token."""
         keep = batch.pop("dppo_keep")
         kept = keep.nonzero().flatten()
-        spg, per_device = self.args.steps_per_generation, self.args.per_device_train_batch_size
         lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
-        if self.args.packing:
-            bins = [kept[b].tolist() for b in assign_microbatches([lengths[i] for i in kept.tolist()], spg, per_device)]
-            counts = [
-                microbatch_row_counts(rank_lengths, spg, per_device) for rank_lengths in self._kept_lengths_per_rank
-            ]
-            sizes = [max(1, *column) for column in zip(*counts)]
-            order = microbatch_order(spg, torch.Generator().manual_seed(self._prune_seed() ^ 0x5851F42D4C957F2D))
-            bins, sizes = [bins[j] for j in order], [sizes[j] for j in order]
-        else:
-            sizes = microbatch_sizes([len(r) for r in self._kept_lengths_per_rank], spg)
-            bounds = [sum(sizes[:j]) for j in range(spg + 1)]
-            bins = [kept[bounds[j] : bounds[j + 1]].tolist() for j in range(spg)]
+        generator = torch.Generator().manual_seed(self._prune_seed() ^ 0x5851F42D4C957F2D)
+        positions, sizes = microbatch_plan(
+            [lengths[i] for i in kept.tolist()], self._kept_lengths_per_rank, self.args.steps_per_generation,
+            self.args.per_device_train_batch_size, self.args.packing, generator,
+        )  # fmt: skip
+        bins = [kept[p].tolist() for p in positions]
         filler = filler_row(batch)
         microbatches = [with_fillers(select_rows(batch, torch.tensor(rows, dtype=torch.long)), filler, size)
                         for rows, size in zip(bins, sizes)]  # fmt: skip

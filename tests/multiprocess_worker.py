@@ -3,10 +3,11 @@ and writes, per rank, the global keep masks it drew, the rank-balance metrics, t
 every forward call of its models, and its final parameters (whole, also when sharded).
 
     multiprocess_worker.py MODEL_DIR OUT_DIR SAMPLING RATE MAX_STEPS [TOLERANCE] [--prompt-keep-rate R --stop S]
-                           [--steps-per-generation N] [--fsdp]
+                           [--steps-per-generation N] [--fsdp] [--perturb-rank R] [--beta B]
 
 TOLERANCE is DPPOTrainer.RANK_BALANCE_TOLERANCE ('inf': never move rows). With --stop S the run saves a
-checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS. With --fsdp the policy and
+checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS. With --perturb-rank R, rank R's
+scores are moved up by one ulp before each keep decision (as a rank whose math library rounds differently). With --fsdp the policy and
 the reference model are sharded with FSDP2 (`fully_shard`) instead of the policy being wrapped in DDP.
 
 Every forward call of the policy and reference models is recorded (a forward pre-hook): which model, whether it
@@ -31,6 +32,8 @@ from dppo_trl.toy import addition_dataset, addition_pairs  # noqa: E402
 
 
 class Worker(DPPOTrainer):
+    perturb_rank = None  # --perturb-rank R: rank R's scores moved by one ulp before its keep decision
+
     def _generate_and_score_completions(self, inputs):
         self.generation_index = getattr(self, "generation_index", -1) + 1
         out = super()._generate_and_score_completions(inputs)
@@ -45,7 +48,14 @@ class Worker(DPPOTrainer):
             self.__dict__.setdefault("prompts", []).append([x["prompt"] for x in inputs])
         return out
 
+    def _decide_keep(self, scores, lengths, loss_tokens):
+        decision = super()._decide_keep(scores, lengths, loss_tokens)
+        self.__dict__.setdefault("own_masks", []).append(decision[0].int().tolist())  # before the broadcast
+        return decision
+
     def _draw_keep_mask(self, output, advantages):
+        if self.perturb_rank == self.accelerator.process_index:  # one ulp up: zeros become tiny positive scores
+            advantages = torch.nextafter(advantages, torch.full_like(advantages, float("inf")))
         if "first_draw" not in self.__dict__:  # this rank's part of the first generation batch, for the oracle
             self.first_draw = {
                 "advantages": advantages.tolist(),  # already gathered: the whole batch
@@ -106,7 +116,10 @@ def main(argv):
     parser.add_argument("--stop", type=int, default=None)
     parser.add_argument("--steps-per-generation", type=int, default=2)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--perturb-rank", type=int, default=None)
+    parser.add_argument("--beta", type=float, default=0.05)
     a = parser.parse_args(argv)
+    Worker.perturb_rank = a.perturb_rank
     Worker.RANK_BALANCE_TOLERANCE = a.tolerance
     sharding = {}
     if a.fsdp:
@@ -123,7 +136,7 @@ def main(argv):
     args = cpu_config(
         Path(a.out_dir),
         max_steps=a.max_steps,
-        beta=0.05,
+        beta=a.beta,
         steps_per_generation=a.steps_per_generation,
         gradient_accumulation_steps=2,
         num_iterations=2,
@@ -156,6 +169,7 @@ def main(argv):
         "world": trainer.accelerator.num_processes,
         "steps": trainer.state.global_step,
         "masks": [m for t in trainers for m in t.masks],
+        "own_masks": [m for t in trainers for m in t.own_masks],
         "local_kept": [k for t in trainers for k in t.local_kept],
         "local_kept_tokens": [k for t in trainers for k in t.local_kept_tokens],
         "prompts": [p for t in trainers for p in t.prompts],
@@ -168,9 +182,10 @@ def main(argv):
         "forward_calls": calls,
         "forward_passes": forward_passes(calls),
         "per_device_train_batch_size": args.per_device_train_batch_size,
+        "beta": args.beta,
         "wrapped": type(trainer.model_wrapped).__name__,
         "fsdp_units": {
-            name: fsdp_units(model) for name, model in (("policy", trainer.model), ("ref", trainer.ref_model))
+            name: fsdp_units(model) for name, model in (("policy", trainer.model), ("ref", trainer.ref_model)) if model
         },
     }
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))

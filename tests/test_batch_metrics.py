@@ -17,10 +17,12 @@ def test_weighted_token_mean_counts_each_kept_row_w_times_and_fillers_never():
     assert ratio(weighted_mean_stats(values, mask, torch.ones(3))) == (1 + 3 + 5) / 3
 
 
-def test_weighted_sequence_mean_skips_rows_without_loss_tokens():
-    values = torch.tensor([[0.5], [1.5], [9.0]])
-    mask = torch.tensor([[1, 1], [1, 0], [0, 0]])
-    assert ratio(weighted_mean_stats(values, mask, torch.tensor([3.0, 1.0, 1.0]))) == (1.5 + 1.5) / 4
+def test_weighted_sequence_mean_counts_every_row_as_trl_does():
+    """One value per row: TRL's global mean counts every row, one without loss tokens too (issue 19); a filler
+    (weight 0) counts nowhere."""
+    values = torch.tensor([[0.5], [1.5], [9.0], [100.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0], [0, 0]])
+    assert ratio(weighted_mean_stats(values, mask, torch.tensor([3.0, 1.0, 1.0, 0.0]))) == (1.5 + 1.5 + 9.0) / 5
     assert ratio(torch.zeros(2)) == 0.0
 
 

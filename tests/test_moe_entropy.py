@@ -29,20 +29,30 @@ def tiny_moe_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-moe"), hidden_size=32, num_layers=2, moe=True)
 
 
+TRL_LOSS_METRICS = ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                    "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean")
+
+
 def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def assert_every_row_kept_is_grpo(tmp_path, model_dir, dataset, **settings):
-    """One optimizer step per generation batch (spg = GA = 1), every row kept (keep_floor=1) on the padded path:
-    DPPO's separately added terms (KL, entropy bonus, router loss) must give GRPOTrainer's losses and parameters."""
+EVERY_ROW_KEPT = dict(completion_keep_rate=0.5, keep_floor=1.0, packing=False)
+
+
+def assert_every_row_kept_is_grpo(tmp_path, model_dir, dataset, dppo_settings=EVERY_ROW_KEPT, **settings):
+    """One optimizer step per generation batch (spg = GA = 1), every row that can contribute kept (keep_floor=1)
+    on the padded path: DPPO's separately added terms (KL, entropy bonus, router loss) and its weighted metrics
+    must give GRPOTrainer's losses, metrics and parameters."""
     common = dict(max_steps=3, steps_per_generation=1, gradient_accumulation_steps=1, **settings)
     grpo = train(GRPOTrainer, tmp_path / "g", model_dir, dataset, config_cls=GRPOConfig, **common)
-    dppo = train(DPPOTrainer, tmp_path / "d", model_dir, dataset, completion_keep_rate=0.5, keep_floor=1.0,
-                 packing=False, **common)  # fmt: skip
+    dppo = train(DPPOTrainer, tmp_path / "d", model_dir, dataset, **dppo_settings, **common)
     # A loss near 0 is a sum of O(1) per-token terms of both signs: float32 summation order alone moves it by
     # ~1e-6, so the absolute tolerance is 1e-5 (the parameters, O(1), are compared at 1e-4 relative).
     assert losses(dppo) == pytest.approx(losses(grpo), rel=1e-4, abs=1e-5)
+    for key in TRL_LOSS_METRICS:  # logged by GRPOTrainer: logged by DPPO too, the same values
+        logged = [[h[key] for h in t.state.log_history if key in h] for t in (grpo, dppo)]
+        assert logged[1] == pytest.approx(logged[0], rel=1e-4, abs=1e-6), key
     for name, p in params_of(grpo).items():
         torch.testing.assert_close(params_of(dppo)[name], p, rtol=1e-4, atol=1e-6)
     return grpo, dppo
@@ -74,14 +84,31 @@ def test_moe_trains_at_dppos_defaults(tmp_path, tiny_moe_dir, train_dataset, pac
         dict(entropy_coef=0.01),
         dict(use_adaptive_entropy=True, entropy_target=10.0, entropy_coef=0.0, entropy_coef_delta=0.01),
         dict(top_entropy_quantile=0.5),
+        dict(entropy_coef=0.1, top_entropy_quantile=0.3),
+        dict(entropy_coef=0.1, top_entropy_quantile=0.5),
     ],
-    ids=["bonus", "adaptive", "filter"],
+    ids=["bonus", "adaptive", "filter", "bonus+filter0.3", "bonus+filter0.5"],
 )
 def test_entropy_terms_with_every_row_kept_are_grpos(tmp_path, tiny_model_dir, train_dataset, settings):
+    """Also the bonus together with the filter (a mean over the tokens the filter keeps) and ``policy_loss``,
+    which TRL logs with the bonus on."""
     grpo, dppo = assert_every_row_kept_is_grpo(tmp_path, tiny_model_dir, train_dataset, **settings)
     if "use_adaptive_entropy" in settings:  # the controller moved, the same way
         coefs = [[h["entropy_coef"] for h in t.state.log_history if "entropy_coef" in h] for t in (grpo, dppo)]
         assert coefs[0] == pytest.approx(coefs[1]) and coefs[1][-1] > 0
+
+
+@pytest.mark.parametrize("loss_type", ["vespo", "dapo"])
+def test_per_sequence_metrics_count_every_row_as_trl(tmp_path, tiny_model_dir, train_dataset, loss_type):
+    """``importance_sampling_level="sequence"`` logs one value per row (``vespo/phi_seq_mean``, ``clip_ratio/*``);
+    TRL counts every row, also one masked as truncated (no loss token): so does DPPO's weighted mean, on its
+    training path (packing) with every row kept."""
+    grpo, _ = assert_every_row_kept_is_grpo(
+        tmp_path, tiny_model_dir, train_dataset, dict(completion_keep_rate=1.0), loss_type=loss_type,
+        importance_sampling_level="sequence", mask_truncated_completions=True,
+    )  # fmt: skip
+    key = "vespo/phi_seq_mean" if loss_type == "vespo" else "clip_ratio/region_mean"
+    assert any(h.get(key) for h in grpo.state.log_history) or loss_type == "dapo"
 
 
 @pytest.mark.parametrize("settings", [dict(entropy_coef=0.01), dict(entropy_coef=0.01, top_entropy_quantile=0.5),
@@ -113,3 +140,22 @@ def test_entropy_bonus_keeps_the_estimator_unbiased(
     loss, grad = expectation(trainer, batch, poisson_outcomes(pi))
     assert_exact(loss, full_loss)
     assert_exact(grad, full_grad)
+
+
+def test_entropy_mask_outside_a_loss_computation_is_trls():
+    """TRL's own unit test calls ``get_high_entropy_mask`` on a trainer built without ``__init__`` (a mock
+    accelerator): DPPOTrainer's falls back to TRL's filter there instead of raising AttributeError."""
+    from unittest.mock import Mock
+
+    def bare(cls):
+        trainer = cls.__new__(cls)
+        trainer.accelerator = Mock(num_processes=1)
+        trainer.accelerator.pad_across_processes.side_effect = lambda x, dim, pad_index: x
+        trainer.accelerator.gather.side_effect = lambda x: x
+        return trainer
+
+    entropies = torch.tensor([[0.1, 0.5, 0.9, 1.3], [0.2, 0.6, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    expected = bare(GRPOTrainer).get_high_entropy_mask(entropies, mask, 0.5)
+    assert torch.equal(bare(DPPOTrainer).get_high_entropy_mask(entropies, mask, 0.5), expected)
+    assert 0 < int(expected.sum()) < int(mask.sum())

@@ -322,3 +322,87 @@ def test_every_rank_plans_as_many_calls_though_ranks_pad_to_different_widths():
         lengths = [torch.randint(1, w + 1, (int(torch.randint(0, 12, (), generator=generator)),), generator=generator)
                    .tolist() for w in widths]  # fmt: skip
         assert len({len(p) for p in plan_calls_per_rank(lengths, widths, 3, lambda w: w)}) == 1
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_microbatch_plan_gives_every_rank_a_fair_share_of_each_optimizer_step(packing):
+    """Two ranks keep 12 and 9 rows, steps_per_generation 4, gradient_accumulation_steps 2: over TRL's shuffle and
+    the plan's seed, each kept row of each rank lands in the first optimizer step with probability 1/2, on the rank
+    with fewer rows too (issue 19: the padded path cut every rank's rows into chunks sized for the fullest rank, so
+    a rank keeping 8 put 6 of its 8 rows in the first step, one keeping 9 put 6 of 9)."""
+    from dppo_trl.packing import microbatch_plan
+
+    lengths_per_rank = [[10 + (3 * i) % 7 for i in range(12)], [10 + (5 * i) % 9 for i in range(9)]]
+    spg, ga, seeds = 4, 2, 400
+    for rank, lengths in enumerate(lengths_per_rank):
+        first_step = torch.zeros(len(lengths))
+        for seed in range(seeds):
+            g = torch.Generator().manual_seed(seed)
+            shuffled = torch.randperm(len(lengths), generator=g).tolist()  # TRL's shuffle of the rank's rows
+            own = [lengths[i] for i in shuffled]
+            bins, sizes = microbatch_plan(own, lengths_per_rank, spg, 16, packing, g)
+            assert sorted(p for b in bins for p in b) == list(range(len(own)))  # every kept row, once
+            assert all(len(b) <= s for b, s in zip(bins, sizes)) and min(sizes) >= 1
+            for b in bins[:ga]:
+                first_step[[shuffled[p] for p in b]] += 1
+        share = first_step / seeds
+        # Binomial sd 0.025 at 400 draws: 0.1 is 4 sd; the old padded split gave 6/9 = 0.67 on the 9-row rank.
+        assert (share - 0.5).abs().max() < 0.1, (rank, share.tolist())
+    for seed in range(20):  # the sizes are the same on both ranks
+        plans = [microbatch_plan(own, lengths_per_rank, spg, 16, packing, torch.Generator().manual_seed(seed))
+                 for own in lengths_per_rank]  # fmt: skip
+        assert plans[0][1] == plans[1][1]
+
+
+def test_padded_plan_is_trls_split_when_the_rows_divide_evenly():
+    """Every rank keeping the same multiple of steps_per_generation rows (every row kept): consecutive equal
+    chunks of the shuffled rows in order, TRL's own split, so GRPO's steps are reproduced step for step."""
+    from dppo_trl.packing import microbatch_plan
+
+    bins, sizes = microbatch_plan([5] * 8, [[5] * 8, [7] * 8], 4, 16, False, torch.Generator().manual_seed(3))
+    assert bins == [[0, 1], [2, 3], [4, 5], [6, 7]] and sizes == [2, 2, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_dir(tmp_path_factory):
+    """A tiny GPT-2 (learned absolute positions) with the character tokenizer."""
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    from dppo_trl.toy import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, **ids)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():  # positions that matter: the random init's position embeddings are tiny (std 0.01)
+        model.transformer.wpe.weight.normal_(0, 1.0)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    directory = tmp_path_factory.mktemp("tiny-gpt2")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_packed_positions_are_generations_on_a_model_with_absolute_positions(tmp_path, tiny_gpt2_dir, train_dataset):
+    """GPT-2 learns absolute positions. Generation numbers each sequence's tokens from 0 at its first real token
+    (``position_ids`` from the attention mask), and so does packing; TRL's padded path passes no ``position_ids``,
+    so its positions count the left pads. Packed log-probs equal the padded forward at generation's positions (the
+    policy that sampled the completions), and differ from TRL's padded ones on the left-padded row only."""
+    trainer = make_trainer(tmp_path, tiny_gpt2_dir, train_dataset, "grpo", 0.0, 1)
+    batch = synthetic_batch(trainer)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        (trl_padded, _, _), (packed, _, _) = _padded_and_packed(trainer, batch)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = trainer.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.double()
+    logps = torch.log_softmax(logits[:, -width - 1 : -1], -1).gather(-1, ids[:, -width:, None]).squeeze(-1)
+    m = batch["completion_mask"].bool()
+    assert (packed[m] - logps[m]).abs().max() < 1e-5  # generation's positions
+    padded_row = batch["prompt_mask"][:, 0] == 0  # the one row with a left pad
+    difference = (packed - trl_padded).abs() * m
+    assert difference[~padded_row].max() < 1e-5 and difference[padded_row].max() > 1e-2
