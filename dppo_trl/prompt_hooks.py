@@ -45,6 +45,7 @@ class PromptPruningHooks:
                 max_epochs=None if self.args.max_steps > 0 else math.ceil(self.args.num_train_epochs),
             )
             self._prompt_sampler.skip_units = self._resume_skip_units
+            self._prompt_sampler.share = self._same_on_every_rank
             if self._prompt_resume is not None:
                 self._prompt_sampler.load_state_dict(*self._prompt_resume)
                 self._prompt_resume = None

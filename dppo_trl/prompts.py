@@ -127,6 +127,9 @@ class PromptPruningSampler(Sampler[int]):
         self.generator = torch.Generator().manual_seed(accept_seed)
         self.order_generator = torch.Generator().manual_seed(seed)
         self.skip_units = lambda: 0
+        # The trainer sets ``share`` to send the main process's value to every rank: each epoch's float inputs
+        # (q, its mean, D) are then the main process's on every rank, whatever the last bits of its own history.
+        self.share = lambda value: value
         self._resume_from: int | None = None
 
     def _next_order(self) -> list[int]:
@@ -150,8 +153,8 @@ class PromptPruningSampler(Sampler[int]):
         return [u < float(q[i]) for i, u in zip(order, draws.tolist())]
 
     def _plan_epoch(self) -> list[dict]:
-        q, normalizer = self.acceptance(), self.normalizer()
-        q_bar = float(q.mean())
+        q = self.acceptance()
+        q, q_bar, normalizer = self.share((q, float(q.mean()), self.normalizer()))
         order = self._next_order()
         accepted = [[i, q_bar / float(q[i]), normalizer, pos]
                     for pos, (i, a) in enumerate(zip(order, self._accepted(order, q))) if a]  # fmt: skip

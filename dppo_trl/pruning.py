@@ -168,14 +168,6 @@ def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: flo
     return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
 
 
-def microbatch_sizes(kept_rows_per_rank: list[int], num_microbatches: int) -> list[int]:
-    """Rows of each micro-batch, the same on every rank: the kept rows of the fullest rank split as evenly
-    as possible, and at least one row (a zero-weight filler where a rank has none left) per micro-batch."""
-    most = max(kept_rows_per_rank) if kept_rows_per_rank else 0
-    base, extra = divmod(most, num_microbatches)
-    return [max(1, base + (1 if i < extra else 0)) for i in range(num_microbatches)]
-
-
 def vllm_importance_sampling_ratio(
     old_logps: torch.Tensor,
     sampling_logps: torch.Tensor,

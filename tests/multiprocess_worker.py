@@ -53,6 +53,25 @@ class Worker(DPPOTrainer):
         self.__dict__.setdefault("own_masks", []).append(decision[0].int().tolist())  # before the broadcast
         return decision
 
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        if self.args.prompt_pruning and not getattr(sampler, "recorded", False):  # each epoch's own q, unshared
+            shared = sampler.share
+
+            def share(value):
+                self.__dict__.setdefault("own_q", []).append(value[0].tolist())
+                return shared(value)
+
+            sampler.share, sampler.recorded = share, True
+        return sampler
+
+    def _take_prompt_decision(self, inputs, scores):
+        if self.perturb_rank == self.accelerator.process_index:  # the history this rank keeps, one ulp off
+            scores = torch.nextafter(scores, torch.full_like(scores, float("inf")))
+        weights, normalizer = super()._take_prompt_decision(inputs, scores)
+        self.__dict__.setdefault("prompt_decisions", []).append([weights.tolist(), float(normalizer)])
+        return weights, normalizer
+
     def _draw_keep_mask(self, output, advantages):
         if self.perturb_rank == self.accelerator.process_index:  # one ulp up: zeros become tiny positive scores
             advantages = torch.nextafter(advantages, torch.full_like(advantages, float("inf")))
@@ -170,6 +189,8 @@ def main(argv):
         "steps": trainer.state.global_step,
         "masks": [m for t in trainers for m in t.masks],
         "own_masks": [m for t in trainers for m in t.own_masks],
+        "prompt_decisions": [d for t in trainers for d in t.__dict__.get("prompt_decisions", [])],
+        "own_q": [q for t in trainers for q in t.__dict__.get("own_q", [])],
         "local_kept": [k for t in trainers for k in t.local_kept],
         "local_kept_tokens": [k for t in trainers for k in t.local_kept_tokens],
         "prompts": [p for t in trainers for p in t.prompts],

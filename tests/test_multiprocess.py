@@ -211,11 +211,16 @@ def test_fsdp2_trains_as_ddp(ddp_spg4, tmp_path, tiny_model_dir):
 
 
 def test_ranks_whose_floats_differ_in_the_last_bit_share_one_decision(tmp_path, tiny_model_dir):
-    """Rank 1's scores moved up by one ulp (as on a machine whose math library rounds differently), under the
-    ``balanced`` design (an SVD whose direction is chaotic when a group's completions share one length: here all
-    are truncated at max_completion_length) and TRL's defaults otherwise: rank 1's own draw differs from rank 0's
-    in some generation batch, yet both ranks train on rank 0's decision: the same masks and forward calls, no hang,
-    the same parameters (torchrun checks them)."""
-    ranks, _ = torchrun(tmp_path, tiny_model_dir, "balanced", 0.5, 4, "--perturb-rank", 1, "--beta", 0, timeout=120)
+    """Rank 1's scores moved up by one ulp before its keep decision and before they enter its prompt history (as
+    on a machine whose math library rounds differently), under the ``balanced`` design (an SVD whose direction is
+    sensitive to the last bits) and prompt pruning, ``beta=0``, 12 steps (the second epoch prunes prompts): rank
+    1's own keep draw and its own acceptance probabilities differ from rank 0's, yet both ranks train on rank 0's
+    decisions: the same masks, prompts, prompt weights and normalizers bit for bit, the same forward calls, no
+    hang, the same parameters (torchrun checks masks, calls and parameters)."""
+    ranks, _ = torchrun(tmp_path, tiny_model_dir, "balanced", 0.5, 12, "--prompt-keep-rate", 0.5, "--perturb-rank", 1,
+                        "--beta", 0, timeout=180)  # fmt: skip
     assert ranks[0]["own_masks"] == ranks[0]["masks"]  # the main process's own decision is the shared one
     assert ranks[1]["own_masks"] != ranks[0]["own_masks"]  # one ulp changed rank 1's own draw
+    assert ranks[1]["own_q"] != ranks[0]["own_q"]  # and its own acceptance probabilities
+    assert ranks[0]["prompt_decisions"] == ranks[1]["prompt_decisions"] and ranks[0]["prompt_decisions"]
+    assert min(w for weights, _ in ranks[0]["prompt_decisions"] for w in weights) < 1.0  # prompts were pruned

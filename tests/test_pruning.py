@@ -26,7 +26,6 @@ from dppo_trl.pruning import (
     get_design,
     grouped_order,
     keep_probabilities,
-    microbatch_sizes,
     pruning_relative_error,
     sampling_designs,
     stratified_order,
@@ -340,13 +339,6 @@ def test_normalizers_agree_when_nothing_is_pruned(loss_type):
 def test_unknown_loss_type_is_rejected():
     with pytest.raises(ValueError, match="loss_type"):
         full_batch_normalizer("nope", 1, 1, 1.0, 1, 1, 1)
-
-
-def test_microbatch_sizes():
-    assert microbatch_sizes([5], 2) == [3, 2]
-    assert microbatch_sizes([1], 3) == [1, 1, 1]
-    assert microbatch_sizes([0], 2) == [1, 1]
-    assert microbatch_sizes([7, 2], 3) == [3, 2, 2]
 
 
 @pytest.mark.parametrize("rate,floor", [(0.5, 0.05), (0.3, 0.1), (0.8, 0.05), (0.02, 0.05)])
