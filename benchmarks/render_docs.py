@@ -252,10 +252,19 @@ VARIANCE_LABELS = {
 }
 
 
-def variance_label(design: str) -> str:
+def variance_label(design: str, other_pool: bool = False) -> str:
+    """A design's row label; ``other_pool``: measured in a later run on rebuilt pools (its ratios are to that run's
+    GRPO), marked with a dagger."""
     if design == f"{DEFAULT_DESIGN}@{DEFAULT_KEEP_RATE}":
         return f"**{design} (the default)**"
-    return VARIANCE_LABELS.get(design, design + (" (adaptive)" if "+e" in design else ""))
+    label = VARIANCE_LABELS.get(design, design + (" (adaptive)" if re.search(r"\+e\d", design) else ""))
+    return label + " †" if other_pool else label
+
+
+def other_pool_rows(data: dict) -> set:
+    """``(loss_type, design)`` of the rows merged from a run on other pools (``bench_variance.py --merge-new-pools``
+    tags their results with ``pool``)."""
+    return {(r["loss_type"], r["design"]) for r in data["results"] if "pool" in r}
 
 
 def bias_text(r: dict) -> str:
@@ -268,11 +277,11 @@ def variance_table(data: dict, loss_type: str, full: bool = True) -> str:
     """bench_variance's summary (means over checkpoints) for one loss type; ``full`` adds the balance columns."""
     header = ["design", "kept rows", "compute / GRPO", "mse / GRPO", "bias", "noise", "**efficiency**", "/ oracle"]
     header += ["rows sd", "tokens rel. sd", "group imbal."] if full else []
-    body = []
+    body, other = [], other_pool_rows(data)
     for r in (r for r in data["summary"] if r["loss_type"] == loss_type):
         default = r["design"] == f"{DEFAULT_DESIGN}@{DEFAULT_KEEP_RATE}"
         eff, oracle = f"{r['efficiency']:.2f}", f"{r['efficiency_to_oracle']:.2f}"
-        row = [variance_label(r["design"]), f"{r['kept_fraction']:.3f}", f"{r['compute_ratio']:.3f}",
+        row = [variance_label(r["design"], (loss_type, r["design"]) in other), f"{r['kept_fraction']:.3f}", f"{r['compute_ratio']:.3f}",
                f"{r['mse_ratio']:.3f}", bias_text(r), num(r["bias_noise"], ".4f"),
                f"**{eff}**" if default else eff, f"**{oracle}**" if default else oracle]  # fmt: skip
         if full:

@@ -47,8 +47,9 @@ class DPPOConfig(GRPOConfig):
         metadata={
             "help": "Target fraction of the generation batch's completions that enter the log-prob and loss "
             "passes, in (0, 1]. The keep probabilities sum to this fraction of the rows (more when "
-            "`keep_floor` forces it). 1.0 switches completion pruning off: the trainer is then exactly "
-            "`GRPOTrainer`. Not used by `prune_sampling='zero_variance'`."
+            "`keep_floor` forces it). 1.0 switches completion pruning off; with `packing=False` too, the trainer "
+            "is then `GRPOTrainer` bit for bit (with packing, equal up to float rounding on rotary-position "
+            "models). Not used by `prune_sampling='zero_variance'`."
         },
     )
     keep_floor: float = field(
@@ -61,8 +62,9 @@ class DPPOConfig(GRPOConfig):
     prune_sampling: str = field(
         default=_DEFAULT_SAMPLING,
         metadata={
-            "help": "How the kept rows are drawn (default 'stratified': the most efficient per unit of compute of "
-            "the unbiased designs in `make bench-variance`). 'stratified': systematic sampling over rows sorted "
+            "help": "How the kept rows are drawn (default 'stratified': the least gradient error per unit of compute of "
+            "the fixed-size unbiased designs in `make bench-variance`, where it beat 'systematic' in every "
+            "matched comparison). 'stratified': systematic sampling over rows sorted "
             "by group, sign of A and length, so each group and sign keeps its expected count up to one row; "
             "'systematic': fixed-size probability-proportional-to-size sampling over a random order; 'poisson': "
             "independent Bernoulli(pi); 'balanced': the cube method on the budget, each group's advantages and "
@@ -87,9 +89,10 @@ class DPPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "gamma of the compute-aware keep scores |A| x L^gamma (L: the row's prompt + completion "
-            "tokens), a number in [-2, 2]; 0 scores |A|. None (default): by loss_type, -0.5 for the per-sequence "
-            "means ('grpo', 'sapo'), 0 for the token sums ('dapo' and the others), the best of each measured by "
-            "`make bench-variance` (and 0 for 'topk', CPPO's |A|). Under a token budget the variance-optimal keep "
+            "tokens, the same L as the token budget's), a number in [-2, 2]; 0 scores |A|. None (default): by "
+            "loss_type, -0.5 for the per-sequence means ('grpo', 'sapo'), 0 for the token sums ('dapo' and the "
+            "others), the best measured by `make bench-variance` under 'grpo' and 'dapo' (the other loss types "
+            "follow the one they resemble, not measured) (and 0 for 'topk', CPPO's |A|). Under a token budget the variance-optimal keep "
             "probabilities are proportional to ||g|| / sqrt(L). Used by the unbiased designs and 'topk'.",
         },
     )
@@ -101,8 +104,9 @@ class DPPOConfig(GRPOConfig):
             "to the full batch's gradient, the rows' gradients taken as orthogonal with norms proportional to "
             "their scores) is at most this value, e.g. 0.3: a batch whose signal sits in a few rows prunes down to "
             "`completion_keep_rate`, one whose signal is spread keeps more. `completion_keep_rate` stays the "
-            "fewest kept; still exactly unbiased (the rate is a function of the batch). None: a fixed rate. Used "
-            "by the unbiased designs.",
+            "fewest kept. Still unbiased: the rate, hence pi, is a function of the batch alone, and every "
+            "unbiased design keeps each row with probability exactly pi for any such pi (the enumeration tests "
+            "of tests/test_unbiased.py). None: a fixed rate. Used by the unbiased designs.",
         },
     )
     prune_seed: int | None = field(
