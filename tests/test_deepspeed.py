@@ -3,14 +3,11 @@ trains 2 steps under each as under DDP: the same keep masks, rows kept per rank,
 grad norm, and the same parameters up to float rounding. Under ZeRO-3 the policy and the reference model are
 partitioned (each rank holds half of every model's elements), and a run where one rank keeps no row finishes
 (it joins every parameter gather with filler calls) and ends where DDP does. Skipped where deepspeed is not
-installed (the project's pinned stack does not include it)."""
+installed (the project's pinned dev stack includes it: constraints.txt)."""
 
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
-    reason="deepspeed is not installed (not in the pinned stack; see docs/multi_gpu.md, DeepSpeed)",
+    reason="deepspeed is not installed (pip install 'dppo-trl[deepspeed]'; see docs/multi_gpu.md, DeepSpeed)",
 )
 
 WORKER = Path(__file__).parent / "deepspeed_worker.py"
@@ -28,22 +25,12 @@ RUNS = ("ddp", "ddp-empty", "zero2", "zero3", "zero3-empty")  # DDP first: see d
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     """Every run of RUNS in one torchrun of two CPU processes: per run, both ranks' records and parameters."""
-    from test_multiprocess import kill_process_tree
+    from test_multiprocess import run_two_processes
 
     out_dir = tmp_path_factory.mktemp("deepspeed")
-    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    command = [launcher, "--standalone", "--nproc_per_node", "2", str(WORKER), tiny_model_dir, str(out_dir), *RUNS]
     # DeepSpeed on its CPU accelerator (it would pick CUDA where a GPU is visible), gloo as the backend.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                           start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = run.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        kill_process_tree(run.pid)
-        _, stderr = run.communicate()
-        pytest.fail(f"no result after 300 s (a hang?):\n{stderr[-3000:]}")
-    assert run.returncode == 0, stderr[-3000:]
+    run_two_processes(WORKER, tiny_model_dir, out_dir, *RUNS, env=env)
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     params = {name: [torch.load(out_dir / f"{name}-params{r}.pt") for r in range(2)] for name in RUNS}
     return {name: ([rank[name] for rank in ranks], params[name]) for name in RUNS}

@@ -61,15 +61,16 @@ def kill_process_tree(pid):
                 os.killpg(group, signal.SIGKILL)
 
 
-def torchrun(out_dir, model_dir, *worker_args, timeout=300):
-    """Run the worker on 2 CPU processes; return each rank's record and the parameters of rank 0 and 1."""
+def run_two_processes(worker, *worker_args, timeout=300, env=None) -> None:
+    """``torchrun`` of ``worker`` on 2 CPU processes; fails the test on a non-zero exit or after ``timeout`` s (a
+    hang), killing every process it started."""
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert launcher, "torchrun comes with torch"
     # --standalone: the launcher binds a free local port itself (a port picked here could be taken before it binds)
-    command = [launcher, "--standalone", "--nproc_per_node", "2", str(WORKER), model_dir, str(out_dir),
-               *map(str, worker_args)]  # fmt: skip
+    command = [launcher, "--standalone", "--nproc_per_node", "2", str(worker), *map(str, worker_args)]
     # Its own process group, so that a hang kills torchrun and not pytest.
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           start_new_session=True)  # fmt: skip
     try:
         _, stderr = run.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -77,6 +78,11 @@ def torchrun(out_dir, model_dir, *worker_args, timeout=300):
         _, stderr = run.communicate()
         pytest.fail(f"no result after {timeout} s (a hang?):\n{stderr[-3000:]}")
     assert run.returncode == 0, stderr[-3000:]
+
+
+def torchrun(out_dir, model_dir, *worker_args, timeout=300):
+    """Run the worker on 2 CPU processes; return each rank's record and the parameters of rank 0 and 1."""
+    run_two_processes(WORKER, model_dir, out_dir, *worker_args, timeout=timeout)
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     params = [torch.load(out_dir / f"params{r}.pt") for r in range(2)]
     assert all(r["world"] == 2 and r["finite"] for r in ranks)
