@@ -425,7 +425,8 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
     def _same_on_every_rank(self, value):
         """The main process's ``value``, sent to every rank (pickled, so bit for bit). Decisions that every rank
         must share (keep mask, prompt acceptance) are taken from it, never from each rank's own floats: the last
-        bit of a float can differ between machines, and a design can be chaotic in it (``balanced``'s SVD)."""
+        bit of a float can differ between machines, and a design can be sensitive to it (a tie in a sort, a rank
+        cut-off of ``balanced``'s SVD)."""
         if self.accelerator.num_processes == 1:
             return value
         return broadcast_object_list([value], from_process=0)[0]

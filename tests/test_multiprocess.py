@@ -218,8 +218,9 @@ def test_fsdp2_trains_as_ddp(ddp_spg4, tmp_path, tiny_model_dir):
 
 def test_ranks_whose_floats_differ_in_the_last_bit_share_one_decision(tmp_path, tiny_model_dir):
     """Rank 1's scores moved up by one ulp before its keep decision and before they enter its prompt history (as
-    on a machine whose math library rounds differently), under the ``balanced`` design (an SVD whose direction is
-    sensitive to the last bits) and prompt pruning, ``beta=0``, 12 steps (the second epoch prunes prompts): rank
+    on a machine whose math library rounds differently; it also turns the exact zeros of zero-spread groups into
+    tiny positive scores, which changes which rows are eligible), under the ``balanced`` design and prompt
+    pruning, ``beta=0``, 12 steps (the second epoch prunes prompts): rank
     1's own keep draw and its own acceptance probabilities differ from rank 0's, yet both ranks train on rank 0's
     decisions: the same masks, prompts, prompt weights and normalizers bit for bit, the same forward calls, no
     hang, the same parameters (torchrun checks masks, calls and parameters)."""
