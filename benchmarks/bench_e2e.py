@@ -76,9 +76,9 @@ def timed(trainer_cls):
                 self.bench_phase["generation"] += time.perf_counter() - start
 
         def _take_prompt_decision(self, inputs, scores):
-            weights = super()._take_prompt_decision(inputs, scores)
+            weights, normalizer = super()._take_prompt_decision(inputs, scores)
             self._bench_prompt_weights = weights.detach().double().cpu()
-            return weights
+            return weights, normalizer
 
         def _generate_and_score_completions(self, inputs):
             start, generation_before = time.perf_counter(), self.bench_phase["generation"]
