@@ -62,17 +62,17 @@ class DPPOConfig(GRPOConfig):
     prune_sampling: str = field(
         default=_DEFAULT_SAMPLING,
         metadata={
-            "help": "How the kept rows are drawn (default 'stratified': the least gradient error per unit of compute of "
-            "the fixed-size unbiased designs in `make bench-variance`, where it beat 'systematic' in every "
-            "matched comparison). 'stratified': systematic sampling over rows sorted "
-            "by group, sign of A and length, so each group and sign keeps its expected count up to one row; "
-            "'systematic': fixed-size probability-proportional-to-size sampling over a random order; 'poisson': "
-            "independent Bernoulli(pi); 'balanced': the cube method on the budget, each group's advantages and "
-            "the other cost, so the kept count (or tokens) meets its budget and each group's reweighted "
-            "advantages nearly sum to the group's (linear in rows: about 20 ms at 512 rows, 3 s at 65,536); all four exactly unbiased with 1/pi "
-            "weights. 'topk': CPPO's biased rule, keep the largest |A| with no weights; 'zero_variance': "
-            "DAPO-style biased filter, drop groups whose rewards are all equal, no weights. Any name registered "
-            "with `dppo_trl.pruning.register_design` is accepted.",
+            "help": "How the kept rows are drawn (default 'stratified': the least gradient error per unit of "
+            "compute of the fixed-size unbiased designs in `make bench-variance`, where it beat 'systematic' in "
+            "every matched comparison). 'stratified': systematic sampling over rows sorted by group, sign of A "
+            "and length, so each group and sign keeps the sum of its pi rounded down or up; 'systematic': "
+            "fixed-size probability-proportional-to-size sampling over a random order; 'poisson': independent "
+            "Bernoulli(pi); 'balanced': the cube method on the budget, each group's advantages and the other "
+            "cost, so the kept count (or tokens) meets its budget and each group's reweighted advantages nearly "
+            "sum to the group's (linear in rows: about 20 ms at 512 rows, 3 s at 65,536); all four exactly "
+            "unbiased with 1/pi weights. 'topk': CPPO's biased rule, keep the largest |A| with no weights; "
+            "'zero_variance': DAPO-style biased filter, drop groups whose rewards are all equal, no weights. Any "
+            "name registered with `dppo_trl.pruning.register_design` is accepted.",
             "choices": list(sampling_designs()),
         },
     )
@@ -92,8 +92,9 @@ class DPPOConfig(GRPOConfig):
             "tokens, the same L as the token budget's), a number in [-2, 2]; 0 scores |A|. None (default): by "
             "loss_type, -0.5 for the per-sequence means ('grpo', 'sapo'), 0 for the token sums ('dapo' and the "
             "others), the best measured by `make bench-variance` under 'grpo' and 'dapo' (the other loss types "
-            "follow the one they resemble, not measured) (and 0 for 'topk', CPPO's |A|). Under a token budget the variance-optimal keep "
-            "probabilities are proportional to ||g|| / sqrt(L). Used by the unbiased designs and 'topk'.",
+            "follow the one they resemble, not measured); 0 for 'topk' (CPPO's |A|). Under a token budget the "
+            "variance-optimal keep probabilities are proportional to ||g|| / sqrt(L). Used by the unbiased "
+            "designs and 'topk'.",
         },
     )
     adaptive_keep_error: float | None = field(
