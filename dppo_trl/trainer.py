@@ -398,8 +398,8 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
 
     def _draw_keep_mask(self, output, scores):
         """The global keep decision, the main process's on every rank (``_same_on_every_rank``): ``(keep, weight,
-        pi)`` over every rank's rows (``pi`` None for the deterministic designs). Also records every rank's kept sequence lengths, from
-        which each rank derives the common micro-batch row counts and forward calls."""
+        pi)`` over every rank's rows (``pi`` None for the deterministic designs). Also records every rank's kept
+        sequence lengths, from which each rank derives the common micro-batch row counts and forward calls."""
         local_rows = output["advantages"].size(0)
         self._gather_row_tokens(output)
         lengths = self._row_tokens[:, :2].sum(1)
@@ -640,8 +640,9 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
     def _kept_microbatches(self, batch) -> list[dict]:
         """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches
         (``microbatch_plan``: by tokens with packing, at most ``per_device_train_batch_size`` rows each where the
-        rows allow, or evenly by rows; in a random order shared by every rank), with the same row count on every
-        rank in each micro-step; a slot with no kept row fills up with zero-weight filler rows of one token."""
+        rows allow, or evenly by rows; a fair share of every rank's rows in each optimizer step), with the same
+        row count on every rank in each micro-step; a slot with no kept row fills up with zero-weight filler rows
+        of one token."""
         keep = batch.pop("dppo_keep")
         kept = keep.nonzero().flatten()
         lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
