@@ -6,9 +6,10 @@ every forward call of its models, and its final parameters (whole, also when sha
                            [--steps-per-generation N] [--fsdp] [--perturb-rank R] [--beta B]
 
 TOLERANCE is DPPOTrainer.RANK_BALANCE_TOLERANCE ('inf': never move rows). With --stop S the run saves a
-checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS. With --perturb-rank R, rank R's
-scores are moved up by one ulp before each keep decision (as a rank whose math library rounds differently). With --fsdp the policy and
-the reference model are sharded with FSDP2 (`fully_shard`) instead of the policy being wrapped in DDP.
+checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS. With --perturb-rank R, rank
+R's scores are moved up by one ulp before each keep decision and before they enter its prompt history (as on a
+rank whose math library rounds differently). With --fsdp the policy and the reference model are sharded with
+FSDP2 (`fully_shard`) instead of the policy being wrapped in DDP. --beta B: the KL coefficient (default 0.05).
 
 Every forward call of the policy and reference models is recorded (a forward pre-hook): which model, whether it
 is a log-prob call (``labels`` or ``shift_labels`` among its kwargs; generation calls have neither), whether
