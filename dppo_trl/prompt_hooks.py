@@ -92,7 +92,7 @@ class PromptPruningHooks:
         self._prompt_sampler.update(decision["prompts"], scores.abs().view(-1, group).mean(1).tolist(),
                                     loss_tokens.view(-1, group).mean(1).tolist())  # fmt: skip
         prompt_weights = [w * f for w, f in zip(decision["weights"], factors)]
-        weights = torch.tensor([w for w in prompt_weights for _ in range(group)], dtype=torch.float64)
+        weights = torch.tensor(prompt_weights, dtype=torch.float64).repeat_interleave(group)
         metrics = self._metrics["train"]
         metrics["dppo/prompt_keep_rate"].append(decision["accepted_fraction"])
         metrics["dppo/prompt_q_bar"].append(decision["q_bar"])
