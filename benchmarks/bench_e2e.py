@@ -219,7 +219,13 @@ def run_one(name, settings, seed, setup):
         trainer_cls, args = timed(GRPOTrainer), GRPOConfig(**common)
     else:
         trainer_cls, args = timed(DPPOTrainer), DPPOConfig(**common, **settings)
-    trainer = trainer_cls(setup["model_dir"], setup["reward_funcs"], args=args, train_dataset=setup["train_dataset"])
+    trainer = trainer_cls(
+        setup["model_dir"],
+        setup["reward_funcs"],
+        args=args,
+        train_dataset=setup["train_dataset"],
+        **setup.get("trainer_kwargs", {}),  # e.g. peft_config (bench_real.py)
+    )
     evaluate = setup.get("evaluate")
     if evaluate is not None:
         evaluate = functools.partial(evaluate, tokenizer=trainer.processing_class)
@@ -364,7 +370,7 @@ def seed_mean(curves):
     return tuple([statistics.mean(c[k][i] for c in curves) for i in range(size)] for k in (0, 1))
 
 
-def plot(runs, rows, methods, window, directory, prefix):
+def plot(runs, rows, methods, window, directory, prefix, eval_label="greedy held-out accuracy"):
     """Reward and held-out accuracy vs wall time (each the mean over seeds, point by point) and the phase
     breakdown; PNG files under ``directory``."""
     import matplotlib
@@ -390,8 +396,8 @@ def plot(runs, rows, methods, window, directory, prefix):
     seeds = len({r["seed"] for r in runs})
     axes[0].set(xlabel="wall seconds (evaluation excluded)", title=f"Reward vs wall time (mean of {seeds} seeds)",
                 ylabel=f"sampled reward (trailing mean of {window} batches)")  # fmt: skip
-    axes[1].set(xlabel="wall seconds (evaluation excluded)", ylabel="greedy held-out accuracy",
-                title=f"Held-out accuracy vs wall time (mean of {seeds} seeds)")  # fmt: skip
+    axes[1].set(xlabel="wall seconds (evaluation excluded)", ylabel=eval_label,
+                title=f"Held-out evaluation vs wall time (mean of {seeds} seeds)")  # fmt: skip
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -423,7 +429,7 @@ def prepare_setup(args):
     from datasets import Dataset  # noqa: F401  (imported here so a missing extra fails before training)
 
     from dppo_trl.demo import prepare
-    from dppo_trl.toy import addition_dataset, addition_pairs, exact_answer_reward, sampled_accuracy
+    from dppo_trl.tasks.toy import addition_dataset, addition_pairs, exact_answer_reward, sampled_accuracy
 
     model_root = Path(args.model_cache)
     if not (model_root / "warm-start" / "config.json").exists():

@@ -77,7 +77,7 @@ def resolve_model(args) -> str:
     if args.model == "smollm2":
         return smollm2_from_gguf(Path(args.cache) / "smollm2-135m-instruct")
     if args.model == "local":
-        from dppo_trl.toy import save_tiny_model
+        from dppo_trl.tasks.toy import save_tiny_model
 
         directory = Path(args.cache) / f"local-qwen2-{args.hidden_size}x{args.layers}"
         if not (directory / "config.json").exists():
@@ -92,8 +92,8 @@ def countdown_setup(args, model_dir: str, prompts: int) -> tuple[str, dict]:
     mix solved and unsolved prompts; the exact-chain reward. Returns the warm model's directory and the setup."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dppo_trl.countdown import countdown, countdown_dataset, countdown_reward, countdown_splits, warm_start_starts
-    from dppo_trl.toy import supervised_steps
+    from dppo_trl.tasks.countdown import countdown, countdown_dataset, countdown_reward, countdown_splits, warm_start_starts
+    from dppo_trl.tasks.toy import supervised_steps
 
     warm_dir = Path(args.cache) / f"{Path(model_dir).name}-countdown-{args.sft_steps}"
     if not (warm_dir / "config.json").exists():
@@ -139,7 +139,7 @@ def main(argv=None):
         torch.set_num_threads(1)
     started = time.perf_counter()
 
-    from dppo_trl.toy import addition_dataset, addition_pairs
+    from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
     model_dir = resolve_model(args)
     prompts = (args.steps + args.steps_per_generation) * args.batch_size  # enough for every step, never an epoch

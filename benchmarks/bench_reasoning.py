@@ -1,7 +1,7 @@
 """Reasoning-shaped benchmark: GRPO (TRL's trainer), packing alone, DPPO (the default design `stratified`, then
 `systematic`, `balanced` and the adaptive keep rate), DPPO + prompt pruning, CPPO's `topk` and the
 `zero_variance` filter, each trained the same number of epochs over the same training set (the paper's
-protocol), timed with generation included, on the countdown task (`dppo_trl.countdown`: `"58="` ->
+protocol), timed with generation included, on the countdown task (`dppo_trl.tasks.countdown`: `"58="` ->
 `"58,51,...,2#2"`, long-tailed completion lengths, many zero-variance groups) from one warm-started tiny Qwen2.
 
 TRL's defaults where they matter: `loss_type="dapo"`, `beta=0`, `num_generations=8`, and
@@ -221,7 +221,7 @@ def evaluate(model, tokenizer, starts, samples, seed=1234):
     mean over ``samples`` completions per draw at temperature 1, what GRPO optimizes; the main figure) and
     greedy. The sampling uses its own seed (the same in every run: common random numbers across methods) and
     leaves the training's random state untouched."""
-    from dppo_trl.countdown import heldout_accuracy
+    from dppo_trl.tasks.countdown import heldout_accuracy
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -230,7 +230,7 @@ def evaluate(model, tokenizer, starts, samples, seed=1234):
 
 
 def prepare_setup(args):
-    from dppo_trl.countdown import (
+    from dppo_trl.tasks.countdown import (
         countdown_dataset,
         countdown_reward,
         countdown_splits,

@@ -60,7 +60,7 @@ def build(kind, model_dir, dataset, args_kwargs, max_packed_tokens=None):
     from trl import GRPOConfig, GRPOTrainer
 
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.toy import exact_answer_reward
+    from dppo_trl.tasks.toy import exact_answer_reward
 
     common = dict(
         output_dir=tempfile.mkdtemp(),
@@ -144,7 +144,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    from dppo_trl.toy import addition_dataset, addition_pairs, save_tiny_model
+    from dppo_trl.tasks.toy import addition_dataset, addition_pairs, save_tiny_model
 
     model_dir = save_tiny_model(tempfile.mkdtemp(), hidden_size=args.hidden_size, num_layers=args.layers)
     dataset = addition_dataset(addition_pairs()[0][:64])

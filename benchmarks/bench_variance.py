@@ -1,7 +1,7 @@
 """Gradient efficiency per unit of compute: how close each pruning design's gradient estimate comes to the
 population gradient, for the tokens its log-prob and loss passes allocate.
 
-Checkpoints of a countdown model (`dppo_trl.countdown`, a char-level Qwen2 warm-started with 300, 400, 550
+Checkpoints of a countdown model (`dppo_trl.tasks.countdown`, a char-level Qwen2 warm-started with 300, 400, 550
 supervised steps, each built on the previous one) stand in for stages of training: what matters is their mix of
 zero-variance groups and completion lengths. Per checkpoint, a pool of ``--batches`` (12) generation batches of
 ``--prompts`` (8) training prompts x ``G`` (8) completions sampled at temperature 1, exact-chain reward, TRL's
@@ -617,8 +617,8 @@ def build_checkpoints(args, heldout: list[int]) -> list[dict]:
     snapshot (a fresh AdamW each time). A cached snapshot is reused only when built by the same chain."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dppo_trl.countdown import countdown, heldout_accuracy, warm_start, warm_start_starts
-    from dppo_trl.toy import supervised_steps
+    from dppo_trl.tasks.countdown import countdown, heldout_accuracy, warm_start, warm_start_starts
+    from dppo_trl.tasks.toy import supervised_steps
 
     size = "" if (args.hidden_size, args.layers) == (128, 2) else f"-h{args.hidden_size}l{args.layers}"
     examples = [(f"{s}=", countdown(s)) for s in warm_start_starts(seed=args.seed)]
@@ -661,7 +661,7 @@ def generate_groups(model, tokenizer, starts: list[int], group_size: int, copies
     """``copies`` independent groups per start, sampled at temperature 1 in one call (copy-major: all starts'
     first group, then the second...). Returns per row (prompt ids, completion ids up to and including the
     first eos, stopping at the first pad), its text and its start."""
-    from dppo_trl.countdown import max_completion_tokens
+    from dppo_trl.tasks.countdown import max_completion_tokens
 
     row_starts = [s for _ in range(copies) for s in starts for _ in range(group_size)]
     prompts = [f"{s}=" for s in row_starts]
@@ -688,7 +688,7 @@ def generate_groups(model, tokenizer, starts: list[int], group_size: int, copies
 def sample_batch(model, tokenizer, starts: list[int], group_size: int, seed: int) -> tuple[Batch, list]:
     """One generation batch (rewards, advantages, lengths) and its history groups; returns the batch and its
     rows (prompt ids, completion ids)."""
-    from dppo_trl.countdown import countdown, countdown_reward
+    from dppo_trl.tasks.countdown import countdown, countdown_reward
 
     rows = generate_groups(model, tokenizer, starts, group_size, 2, seed)
     rewards = torch.tensor(countdown_reward([r[2] for r in rows], answer=[countdown(r[3]) for r in rows]))
@@ -810,7 +810,7 @@ def merge_results(saved: dict, fresh: dict, new_pools: bool = False) -> dict:
 
 def prompt_batches_of(args) -> list[list[int]]:
     """``args.batches`` batches of ``args.prompts`` starts, drawn without replacement from the training list."""
-    from dppo_trl.countdown import countdown_splits
+    from dppo_trl.tasks.countdown import countdown_splits
 
     train, _ = countdown_splits(train_size=args.train_prompts, seed=0)
     if args.batches * args.prompts > len(train):
@@ -847,7 +847,7 @@ def main(argv=None):
         parser.error("--designs must include grpo: every ratio is to it")
     torch.set_num_threads(1)
     started = time.perf_counter()
-    from dppo_trl.countdown import countdown_splits
+    from dppo_trl.tasks.countdown import countdown_splits
 
     _, heldout = countdown_splits(train_size=args.train_prompts, seed=0)
     infos = build_checkpoints(args, heldout)

@@ -55,7 +55,7 @@ def compare(model_dir: str, attn: str, cuda: bool, rows: int, prompt: int, compl
     from trl import GRPOTrainer
 
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.toy import addition_dataset, addition_pairs
+    from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
     args = DPPOConfig(output_dir=tempfile.mkdtemp(), bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no",
                       per_device_train_batch_size=rows, num_generations=rows, max_completion_length=completion,
@@ -96,7 +96,7 @@ def main(argv=None):
         torch.set_num_threads(1)
     model_dir = args.model
     if model_dir is None:
-        from dppo_trl.toy import save_tiny_model
+        from dppo_trl.tasks.toy import save_tiny_model
 
         model_dir = save_tiny_model(tempfile.mkdtemp(), hidden_size=args.hidden_size, num_layers=args.layers)
     # bf16 rounds log-probs to ~1e-2 nats at these magnitudes; a sequence attending to its neighbours is off by O(1).

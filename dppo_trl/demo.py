@@ -25,7 +25,7 @@ def prepare(directory: str | Path, sft_steps: int = 300, seed: int = 0) -> Path:
     """Warm-started model in ``directory/warm-start``, prompts in ``directory/data/{train,test}.jsonl``."""
     import torch
 
-    from .toy import addition_dataset, addition_pairs, build_tiny_model, build_tokenizer, supervised_warm_start
+    from .tasks.toy import addition_dataset, addition_pairs, build_tiny_model, build_tokenizer, supervised_warm_start
 
     torch.set_num_threads(1)  # this task is latency bound; one thread is faster and steadier on small CPUs
     directory = Path(directory)

@@ -7,7 +7,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from dppo_trl.toy import addition_dataset, addition_pairs, exact_answer_reward, save_tiny_model  # noqa: E402
+from dppo_trl.tasks.toy import addition_dataset, addition_pairs, exact_answer_reward, save_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import cpu_config, random_reward  # noqa: E402
 
 from dppo_trl import DPPOTrainer  # noqa: E402
-from dppo_trl.toy import addition_dataset, addition_pairs  # noqa: E402
+from dppo_trl.tasks.toy import addition_dataset, addition_pairs  # noqa: E402
 
 # run name: (ZeRO stage or None for DDP, prune_sampling, completion_keep_rate). *-empty: topk keeps 1 row of the 32
 # in a generation batch, so one rank has nothing to train on (under ZeRO-3 it must still join every parameter

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import StopAt, cpu_config, random_reward  # noqa: E402
 
 from dppo_trl import DPPOTrainer  # noqa: E402
-from dppo_trl.toy import addition_dataset, addition_pairs  # noqa: E402
+from dppo_trl.tasks.toy import addition_dataset, addition_pairs  # noqa: E402
 
 
 class Worker(DPPOTrainer):

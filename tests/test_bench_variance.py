@@ -300,9 +300,9 @@ def reward_with_spread(completions, prompts=None, answer=None, **kwargs):
 
 
 def test_bench_variance_runs_every_design_and_loss_type(tmp_path, monkeypatch, capsys):
-    import dppo_trl.countdown
+    import dppo_trl.tasks.countdown
 
-    monkeypatch.setattr(dppo_trl.countdown, "countdown_reward", reward_with_spread)
+    monkeypatch.setattr(dppo_trl.tasks.countdown, "countdown_reward", reward_with_spread)
     out = tmp_path / "variance.json"
     rows = bv.main(["--checkpoints", "60", "--hidden-size", "32", "--layers", "1", "--batches", "2", "--prompts",
                     "2", "--prune-seeds", "20", "--model-cache", str(tmp_path), "--json", str(out)])  # fmt: skip

@@ -17,7 +17,7 @@ from test_config import DPPO_FIELDS
 
 from dppo_trl.cli import bundled_recipes, main, make_parser, parse
 from dppo_trl.config import DPPOConfig
-from dppo_trl.toy import addition_dataset, addition_pairs
+from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
 REPO = Path(__file__).parent.parent
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -39,7 +39,7 @@ def test_every_recipe_parses_with_valid_values(recipe):
     assert text.startswith("# What:") and "# Hardware:" in text and "# Expect:" in text
     script_args, training_args, model_args, dataset_args, launch_args, _ = parse(["--config", str(recipe), *CPU])
     assert isinstance(training_args, DPPOConfig)
-    assert script_args.dataset_name and script_args.reward_funcs
+    assert (script_args.dataset_name or script_args.reasoning_gym_task) and script_args.reward_funcs
     if recipe.name == "qwen3-4b-math-lora.yaml":
         assert model_args.use_peft and training_args.use_vllm and training_args.vllm_mode == "colocate"
     if recipe.name == "qwen3-4b-math.yaml":

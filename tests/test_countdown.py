@@ -2,7 +2,7 @@
 
 import statistics
 
-from dppo_trl.countdown import (
+from dppo_trl.tasks.countdown import (
     countdown,
     countdown_reward,
     countdown_splits,

@@ -18,7 +18,7 @@ from test_vllm_path import SimulatedVLLM
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.toy import addition_pairs, build_tiny_model, build_tokenizer, save_tiny_model
+from dppo_trl.tasks.toy import addition_pairs, build_tiny_model, build_tokenizer, save_tiny_model
 
 # ---------------------------------------------------------------------------------------------- tiny offline models
 

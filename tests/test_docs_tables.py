@@ -103,7 +103,7 @@ def test_the_labels_state_dppoconfigs_defaults():
 
 
 def test_the_docs_quote_the_demo_models_parameter_count():
-    from dppo_trl.toy import build_tiny_model, build_tokenizer
+    from dppo_trl.tasks.toy import build_tiny_model, build_tokenizer
 
     model = build_tiny_model(build_tokenizer(), hidden_size=128, num_layers=2)  # dppo_trl/demo.py's warm start
     count = f"{sum(p.numel() for p in model.parameters()):,}"

@@ -21,7 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOTrainer
 from dppo_trl.pruning import keep_probabilities
-from dppo_trl.toy import save_tiny_model
+from dppo_trl.tasks.toy import save_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -368,7 +368,7 @@ def tiny_gpt2_dir(tmp_path_factory):
     """A tiny GPT-2 (learned absolute positions) with the character tokenizer."""
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
-    from dppo_trl.toy import build_tokenizer
+    from dppo_trl.tasks.toy import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from trl.trainer.utils import RepeatSampler
 
 from dppo_trl import DPPOConfig, DPPOTrainer
 from dppo_trl.prompts import PromptPruningSampler, prompt_acceptance_probabilities, update_history
-from dppo_trl.toy import addition_dataset, addition_pairs
+from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
 
 def test_history_is_an_exponential_moving_average():

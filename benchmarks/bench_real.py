@@ -1,0 +1,252 @@
+"""Real-model benchmark: SmolLM2-135M-Instruct (`dppo-trl-smollm2`) with LoRA on a reasoning-gym task, GRPO
+(TRL's trainer) vs DPPO (defaults: keep 0.5, stratified, packing) vs DPPO + prompt pruning, the same number of
+optimizer steps over the same prompt set (several epochs, so that prompt pruning has a history to act on), each
+seed's methods back to back.
+
+The curve is the reward of every generated completion (all G of a group are scored before any pruning; under
+prompt pruning each prompt weighted by 1/its acceptance probability, the Hajek estimate of the policy's reward on
+the whole prompt set), a trailing mean over ``--window`` generation batches. The target is GRPO's final value of
+that curve; each method's time to reach it is a ratio to GRPO's own time in the same seed. A sampled held-out
+evaluation (temperature 1, its own seed, the same draws for every method) runs outside the clock. Standard errors:
+of a ratio, over seeds; of a reward, from the step-to-step spread within its window, then over seeds.
+
+    make bench-real                                   # 2 seeds, table + JSON + plots in docs/images (~60 min here)
+    python benchmarks/bench_real.py --seeds 0 --steps 8 --methods grpo dppo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_e2e import PHASES, plot, run_one, summarize  # noqa: E402
+
+# DPPOConfig settings of each method; None is TRL's own GRPOConfig + GRPOTrainer.
+METHODS = {
+    "grpo": None,
+    "dppo": dict(completion_keep_rate=0.5),
+    "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
+    "packing": dict(completion_keep_rate=1.0),
+}
+TASK_OPTIONS = {"chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)}
+
+
+def mean_se(values):
+    """(mean, standard error of the mean) of ``values`` (SE 0 for one value)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return statistics.mean(values), se
+
+
+def window_stats(run, first: bool, window: int):
+    """(mean, SE) of the per-batch population reward over the first or the last ``window`` generation batches of
+    a run; the SE from the batch-to-batch spread."""
+    values = [g["population_reward"] for g in run["generations"]]
+    part = values[:window] if first else values[-window:]
+    return statistics.mean(part), statistics.stdev(part) / math.sqrt(len(part))
+
+
+def pooled(stats):
+    """Mean over seeds of per-seed (mean, SE) pairs, with the SE of that mean (independent seeds)."""
+    means, ses = zip(*stats)
+    return statistics.mean(means), math.sqrt(sum(se**2 for se in ses)) / len(ses)
+
+
+def real_figures(runs, rows, window):
+    """Adds to each summary row: ratios as mean ± SE over seeds, the training phase against the ideal (tokens
+    trained over GRPO's padded tokens), the final reward ± SE, the held-out accuracy ± SE; and GRPO's rise over the
+    run in standard errors (first vs last window, pooled over seeds)."""
+    by = {(r["method"], r["seed"]): r for r in runs}
+    for row in rows:
+        seeds = sorted(s for m, s in by if m == row["method"] and ("grpo", s) in by)
+        for key in ("time_to_target_ratio", "total_ratio", "training_phase_ratio"):
+            row[key + "_mean"], row[key + "_se"] = mean_se([p[key] for p in row["per_seed"]])
+        ideal = []
+        for seed in seeds:
+            base = by["grpo", seed]["generations"]
+            trained = sum(g["trained_sequence_tokens"] for g in by[row["method"], seed]["generations"])
+            ideal.append(trained / sum(g["padded_tokens"] for g in base))
+        row["ideal_training_ratio_mean"], row["ideal_training_ratio_se"] = mean_se(ideal)
+        row["final_reward_mean"], row["final_reward_se"] = pooled(
+            [window_stats(by[row["method"], s], False, window) for s in seeds]
+        )
+        evals = [by[row["method"], s]["evals"] for s in seeds]
+        row["heldout_start_mean"], row["heldout_start_se"] = mean_se([e[0]["accuracy"] for e in evals])
+        row["heldout_final_mean"], row["heldout_final_se"] = mean_se([e[-1]["accuracy"] for e in evals])
+    grpo = [by["grpo", s] for s in sorted(s for m, s in by if m == "grpo")]
+    first = pooled([window_stats(r, True, window) for r in grpo])
+    last = pooled([window_stats(r, False, window) for r in grpo])
+    rise_se = math.hypot(first[1], last[1])
+    return {"first": first, "last": last, "rise": last[0] - first[0], "rise_se": rise_se,
+            "rise_z": (last[0] - first[0]) / rise_se if rise_se else None}  # fmt: skip
+
+
+def fmt(mean, se, digits=3):
+    return "-" if mean is None else f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def print_table(rows, rise, title):
+    print(f"\n{title}")
+    print(f"GRPO's curve: {rise['first'][0]:.3f} -> {rise['last'][0]:.3f}, a rise of {rise['rise']:.3f} "
+          f"± {rise['rise_se']:.3f} ({rise['rise_z']:.1f} SE)")  # fmt: skip
+    print(f"{'method':<13}{'to target':>15}{'reached':>8}{'total/GRPO':>15}{'train/GRPO':>15}{'ideal':>15}"
+          f"{'kept':>6}{'final reward':>16}{'held-out':>16}  gen/score/loss/other")  # fmt: skip
+    for r in rows:
+        share = "/".join(f"{r['phase_share'][p]:.2f}" for p in PHASES)
+        print(f"{r['method']:<13}{fmt(r['time_to_target_ratio_mean'], r['time_to_target_ratio_se'], 2):>15}"
+              f"{r['reached_target']:>8}{fmt(r['total_ratio_mean'], r['total_ratio_se']):>15}"
+              f"{fmt(r['training_phase_ratio_mean'], r['training_phase_ratio_se']):>15}"
+              f"{fmt(r['ideal_training_ratio_mean'], r['ideal_training_ratio_se']):>15}{r['kept_fraction']:>6.2f}"
+              f"{fmt(r['final_reward_mean'], r['final_reward_se']):>16}"
+              f"{fmt(r['heldout_final_mean'], r['heldout_final_se']):>16}  {share}")  # fmt: skip
+
+
+def evaluate(model, tokenizer, dataset, max_new_tokens, batch=32, seed=1234):
+    """Mean task score of one sampled completion (temperature 1) per held-out prompt; its own seed (the same
+    draws for every method: common random numbers) and the training's random state left untouched."""
+    from dppo_trl.tasks.reasoning_gym import reasoning_gym_reward
+
+    columns = ("rg_task", "rg_options", "rg_seed", "rg_size", "rg_index", "rg_answer_format")
+    scores, padding_side = [], tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(seed)
+        for start in range(0, len(dataset), batch):
+            rows = dataset[start : start + batch]
+            texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in rows["prompt"]]
+            encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**encoded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            completions = tokenizer.batch_decode(out[:, encoded["input_ids"].size(1) :], skip_special_tokens=True)
+            scores += reasoning_gym_reward(completions, *(rows[c] for c in columns))
+    tokenizer.padding_side = padding_side
+    return {"accuracy": statistics.mean(scores)}
+
+
+def prepare_setup(args):
+    import functools
+
+    from peft import LoraConfig
+
+    from dppo_trl.smollm2 import ensure
+    from dppo_trl.tasks.reasoning_gym import reasoning_gym_dataset, reasoning_gym_reward
+
+    options = TASK_OPTIONS.get(args.task, {})
+    make = functools.partial(reasoning_gym_dataset, args.task, answer_format=args.answer_format, **options)
+    heldout = make(size=args.heldout, seed=args.task_seed + 1)
+    return {
+        "model_dir": str(ensure()),
+        "train_dataset": make(size=args.train_prompts, seed=args.task_seed),
+        "reward_funcs": reasoning_gym_reward,
+        "evaluate": functools.partial(evaluate, dataset=heldout, max_new_tokens=args.max_completion_length),
+        "eval_every": args.eval_every,
+        "steps": args.steps,
+        "extension": 0,
+        "trainer_kwargs": {"peft_config": LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                     task_type="CAUSAL_LM")},  # fmt: skip
+        "trainer_args": dict(
+            bf16=False,
+            use_cpu=True,
+            per_device_train_batch_size=args.prompts_per_step * 8,
+            num_generations=8,
+            max_completion_length=args.max_completion_length,
+            temperature=1.0,
+            loss_type="dapo",
+            beta=0.0,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="constant",
+        ),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", nargs="+", default=["grpo", "dppo", "dppo+prompt"], choices=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=32, help="optimizer steps of every method")
+    parser.add_argument("--task", default="chain_sum", help="a reasoning-gym task")
+    parser.add_argument("--answer-format", default="last_number")
+    parser.add_argument("--task-seed", type=int, default=0, help="generator seed of the training set (+1: held out)")
+    parser.add_argument("--train-prompts", type=int, default=32, help="prompt set size (steps x prompts / it epochs)")
+    parser.add_argument("--heldout", type=int, default=64, help="held-out prompts, one sampled completion each")
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step (x 8 completions)")
+    parser.add_argument("--max-completion-length", type=int, default=16)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--eval-every", type=int, default=16, help="optimizer steps between held-out evaluations")
+    parser.add_argument("--window", type=int, default=8, help="generation batches in the trailing reward mean")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (run nothing else beside it)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of two steps")
+    parser.add_argument("--json", default="benchmarks/results/bench_real.json")
+    parser.add_argument("--plots", default=None, help="directory for PNG plots (e.g. docs/images)")
+    parser.add_argument("--from-runs", default=None, help="train nothing: summarize a saved *_runs.json")
+    args = parser.parse_args(argv)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs_file = out.with_name(out.stem + "_runs.json")  # per-step records, written before any summary
+    if args.from_runs:
+        saved = json.loads(Path(args.from_runs).read_text())
+        return report(args, saved["runs"], saved["trainer_args"], saved["elapsed_s"], runs_file)
+    if "grpo" not in args.methods:
+        parser.error("--methods must include grpo: every ratio is to GRPO's run of the same seed")
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    setup = prepare_setup(args)
+    for _ in range(args.warmup):  # first-call costs (imports, kernels) land here, not in GRPO's first run
+        run_one("warmup", METHODS["dppo"], 0, dict(setup, steps=2, evaluate=None))
+    runs = []
+    for seed in args.seeds:
+        for name in args.methods:
+            run = run_one(name, METHODS[name], seed, setup)
+            rewards = [g["population_reward"] for g in run["generations"]]
+            print(f"[{time.perf_counter() - started:6.0f} s] {name} seed {seed}: {len(run['steps'])} steps, "
+                  f"{run['steps'][-1]['wall']:.0f} s, reward first/last {args.window}: "
+                  f"{statistics.mean(rewards[: args.window]):.3f} / {statistics.mean(rewards[-args.window :]):.3f}, "
+                  f"held-out {run['evals'][0]['accuracy']:.3f} -> {run['evals'][-1]['accuracy']:.3f}", flush=True)  # fmt: skip
+            runs.append(run)
+            runs_file.write_text(json.dumps({"runs": runs, "trainer_args": setup["trainer_args"],
+                                             "elapsed_s": time.perf_counter() - started}, separators=(",", ":")))  # fmt: skip
+    return report(args, runs, setup["trainer_args"], time.perf_counter() - started, runs_file)
+
+
+def report(args, runs, trainer_args, elapsed, runs_file):
+    """The table, the plots and the summary JSON of finished runs."""
+    rows = summarize(runs, args.methods, args.window)
+    rise = real_figures(runs, rows, args.window)
+    print_table(rows, rise, f"SmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x "
+                            f"{args.prompts_per_step} prompts over {args.train_prompts} (seeds {args.seeds})")  # fmt: skip
+    plots = plot(runs, rows, args.methods, args.window, args.plots, "bench_real",
+                 eval_label="sampled held-out score") if args.plots else []  # fmt: skip
+    saved = {
+        "config": {k: v for k, v in vars(args).items() if k != "from_runs"},
+        "trainer_args": trainer_args,
+        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "grpo_rise": rise,
+        "elapsed_s": elapsed,
+        "results": [{k: v for k, v in r.items() if k != "per_seed"} for r in rows],
+        "per_seed": {r["method"]: r["per_seed"] for r in rows},
+        "runs_file": runs_file.name,
+        "plots": plots,
+    }
+    out = Path(args.json)
+    out.write_text(json.dumps(saved, indent=1))
+    print(f"wrote {out} ({elapsed:.0f} s in all)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
