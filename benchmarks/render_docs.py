@@ -106,7 +106,7 @@ def rows(name: str, data: dict) -> dict[str, dict]:
     ``sft-<steps>`` (bench_variance), ``table/method`` (bench_e2e), ``world/keep`` (bench_balance), a variant
     (bench_train); ``-`` is the whole file."""
     out = {"-": data}
-    if name.startswith("bench_reasoning") or name == "bench_gpu":
+    if name.startswith("bench_reasoning") or name in ("bench_gpu", "bench_real"):
         out.update({r["method"]: r for r in data["results"]})
     elif name == "bench_variance":
         out.update({f"{r['loss_type']}/{r['design']}": r for r in data["summary"]})
@@ -396,6 +396,23 @@ def train_table(data: dict) -> str:
     return md_table(header, body)
 
 
+def real_table(data: dict) -> str:
+    """bench_real.json: each method's ratios to GRPO (mean ± SE over seeds), final reward and held-out score."""
+    labels = {"grpo": "GRPO (TRL)", "dppo": "DPPO (defaults: keep 0.5, stratified, packing)",
+              "dppo+prompt": "DPPO + prompt pruning (prompt_keep_rate 0.5)", "packing": "packing alone (keep 1.0)"}
+    header = ["method", "time to GRPO's final reward", "reached", "total time", "training phase", "ideal", "kept",
+              "final reward", "minus GRPO's (paired)", "held-out score (start -> end)"]  # fmt: skip
+    body = []
+    for r in data["results"]:
+        ratio = lambda key: pm(r[key + "_mean"], r[key + "_se"]) if r[key + "_mean"] is not None else "-"  # noqa: E731
+        body.append([labels.get(r["method"], r["method"]), ratio("time_to_target_ratio"), r["reached_target"],
+                     ratio("total_ratio"), ratio("training_phase_ratio"), ratio("ideal_training_ratio"),
+                     f"{r['kept_fraction']:.2f}", pm(r["final_reward_mean"], r["final_reward_se"]),
+                     pm(r["final_reward_diff_mean"], r["final_reward_diff_se"]),
+                     f"{r['heldout_start_mean']:.3f} -> {pm(r['heldout_final_mean'], r['heldout_final_se'])}"])  # fmt: skip
+    return md_table(header, body)
+
+
 # ------------------------------------------------------------------------------------------ the registry
 
 
@@ -417,6 +434,7 @@ TABLES = {  # block name -> (results file, function of its JSON)
     "bench_balance": ("bench_balance", balance_table),
     "bench_gpu": ("bench_gpu", gpu_table),
     "bench_train": ("bench_train", train_table),
+    "bench_real": ("bench_real", real_table),
 }
 
 

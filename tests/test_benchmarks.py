@@ -176,3 +176,24 @@ def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys
     assert "epoch/GRPO" in capsys.readouterr().out
     replotted = bench_reasoning.main(["--from-json", str(out), "--plots", str(tmp_path / "again")])
     assert replotted == saved["results"] and len(list((tmp_path / "again").glob("*.png"))) == 2
+
+
+import bench_real  # noqa: E402
+
+
+def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_path, capsys):
+    out = tmp_path / "real.json"
+    argv = ["--seeds", "0", "--steps", "3", "--methods", "grpo", "dppo+prompt", "--warmup", "0", "--heldout", "4",
+            "--train-prompts", "2", "--prompts-per-step", "1", "--max-completion-length", "4", "--eval-every", "2",
+            "--window", "2", "--json", str(out)]  # fmt: skip
+    rows = bench_real.main(argv)
+    saved = json.loads(out.read_text())
+    assert [r["method"] for r in saved["results"]] == ["grpo", "dppo+prompt"]
+    grpo, pruned = saved["results"]
+    assert grpo["time_to_target_ratio"] == 1.0 and grpo["reached_target"] == "1/1"
+    assert grpo["final_reward_diff_mean"] == 0.0 and grpo["total_ratio_mean"] == 1.0
+    assert pruned["kept_fraction"] <= 1.0 and "time_to_target_ratio" in pruned
+    assert {"rise", "rise_se", "heldout_rise", "heldout_rise_se"} <= set(saved["grpo_rise"])
+    assert "GRPO's curve:" in capsys.readouterr().out
+    again = bench_real.main([*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")])
+    assert [r["time_to_target_ratio"] for r in again] == [r["time_to_target_ratio"] for r in rows]

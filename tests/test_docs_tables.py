@@ -66,6 +66,20 @@ def test_the_balance_table_from_a_small_dict():
     )
 
 
+def test_the_real_model_table_from_a_small_dict():
+    row = dict(method="dppo", reached_target="2/2", kept_fraction=0.4567, time_to_target_ratio_mean=0.41,
+               time_to_target_ratio_se=0.0345, total_ratio_mean=0.5, total_ratio_se=0.01, training_phase_ratio_mean=0.3,
+               training_phase_ratio_se=0.02, ideal_training_ratio_mean=0.25, ideal_training_ratio_se=0.0,
+               final_reward_mean=0.41, final_reward_se=0.03, final_reward_diff_mean=-0.02, final_reward_diff_se=0.01,
+               heldout_start_mean=0.2, heldout_final_mean=0.35,
+               heldout_final_se=0.05)  # fmt: skip
+    never = dict(row, method="topk", reached_target="0/2", time_to_target_ratio_mean=None)
+    table = render_docs.real_table({"results": [row, never]}).splitlines()
+    assert table[2] == ("| DPPO (defaults: keep 0.5, stratified, packing) | 0.410 ± 0.034 | 2/2 | 0.500 ± 0.010 | "
+                        "0.300 ± 0.020 | 0.250 ± 0.000 | 0.46 | 0.410 ± 0.030 | -0.020 ± 0.010 | 0.200 -> 0.350 ± 0.050 |")  # fmt: skip
+    assert table[3].startswith("| topk | - | 0/2 |")
+
+
 def test_inline_values_read_fields_ratios_and_ranges():
     results = {"bench_reasoning": {"results": [
         {"method": "grpo", "total_s": 180.0, "ratio": 1.0, "phase": {"generation": 0.45}, "tokens": 202845.0},
