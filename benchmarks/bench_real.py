@@ -125,10 +125,11 @@ def fmt(mean, se, digits=3):
 
 
 def print_table(rows, rise, title):
+    z = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731  (no spread: no z)
     print(f"\n{title}")
     print(f"GRPO's curve: {rise['first'][0]:.3f} -> {rise['last'][0]:.3f}, a rise of {rise['rise']:.3f} "
-          f"± {rise['rise_se']:.3f} ({rise['rise_z']:.1f} SE); held-out score: a rise of {rise['heldout_rise']:.3f} "
-          f"± {rise['heldout_rise_se']:.3f} ({rise['heldout_rise_z']:.1f} SE)")  # fmt: skip
+          f"± {rise['rise_se']:.3f} ({z(rise['rise_z'])} SE); held-out score: a rise of {rise['heldout_rise']:.3f} "
+          f"± {rise['heldout_rise_se']:.3f} ({z(rise['heldout_rise_z'])} SE)")  # fmt: skip
     print(f"{'method':<13}{'to target':>15}{'reached':>8}{'total/GRPO':>15}{'train/GRPO':>15}{'ideal':>15}"
           f"{'kept':>6}{'final reward':>16}{'- GRPO':>16}{'held-out':>16}  gen/score/loss/other")  # fmt: skip
     for r in rows:

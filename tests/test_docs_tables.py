@@ -68,7 +68,7 @@ def test_the_balance_table_from_a_small_dict():
 
 def test_the_real_model_table_from_a_small_dict():
     row = dict(method="dppo", reached_target="2/2", kept_fraction=0.4567, time_to_target_ratio_mean=0.41,
-               time_to_target_ratio_se=0.0345, total_ratio_mean=0.5, total_ratio_se=0.01, training_phase_ratio_mean=0.3,
+               time_to_target_ratio_se=0.0344, total_ratio_mean=0.5, total_ratio_se=0.01, training_phase_ratio_mean=0.3,
                training_phase_ratio_se=0.02, ideal_training_ratio_mean=0.25, ideal_training_ratio_se=0.0,
                final_reward_mean=0.41, final_reward_se=0.03, final_reward_diff_mean=-0.02, final_reward_diff_se=0.01,
                heldout_start_mean=0.2, heldout_final_mean=0.35,
