@@ -67,7 +67,7 @@ bench-reasoning: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_reasoning.py --plots docs/images
 
 # The real model: SmolLM2-135M-Instruct + LoRA on reasoning-gym's chain_sum, GRPO vs DPPO vs DPPO + prompt pruning,
-# 40 steps over 32 prompts (5 epochs), 2 seeds, time to GRPO's final reward with standard errors (~70 min here;
+# 40 steps over 32 prompts (5 epochs), 2 seeds, time to GRPO's final reward with standard errors (58 min here;
 # 2 threads: run nothing else beside it).
 bench-real: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --plots docs/images

