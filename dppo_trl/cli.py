@@ -325,9 +325,11 @@ def _check_reasoning_gym(script_args, dataset_args) -> None:
 
 
 @contextlib.contextmanager
-def _reasoning_gym_as_dataset(script_args):
+def _reasoning_gym_as_dataset(script_args, with_test_split: bool = False):
     """TRL's script loads ``dataset_name`` with ``datasets.load_dataset``; with a ``reasoning_gym_task`` it gets the
-    task's rows (``dppo_trl.tasks.reasoning_gym``) as the train split instead."""
+    task's rows (``dppo_trl.tasks.reasoning_gym``) as the train split instead, and, where it evaluates
+    (``with_test_split``), a test split: the generator's next seed, at most 256 entries (a fresh draw, not
+    disjoint from the train split)."""
     if script_args.reasoning_gym_task is None:
         yield
         return
@@ -336,19 +338,22 @@ def _reasoning_gym_as_dataset(script_args):
     from .tasks.reasoning_gym import reasoning_gym_dataset
 
     name = f"reasoning-gym/{script_args.reasoning_gym_task}"
-    train = reasoning_gym_dataset(
+    make = functools.partial(
+        reasoning_gym_dataset,
         script_args.reasoning_gym_task,
-        size=script_args.reasoning_gym_size,
-        seed=script_args.reasoning_gym_seed,
         answer_format=script_args.reasoning_gym_answer_format,
         instruction=script_args.reasoning_gym_instruction,
         **(script_args.reasoning_gym_options or {}),
     )
+    seed, size = script_args.reasoning_gym_seed, script_args.reasoning_gym_size
+    splits = {script_args.dataset_train_split: make(size=size, seed=seed)}
+    if with_test_split:
+        splits[script_args.dataset_test_split] = make(size=min(size, 256), seed=seed + 1)
     original = datasets.load_dataset
 
     def load(path, *args, **kwargs):
         if path == name:
-            return datasets.DatasetDict({script_args.dataset_train_split: train})
+            return datasets.DatasetDict(splits)
         return original(path, *args, **kwargs)
 
     script_args.dataset_name, datasets.load_dataset = name, load
@@ -448,7 +453,8 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
     from trl.scripts.grpo import main as grpo_main
 
     made: list = []
-    with _dppo_in_place_of_grpo(made), _reasoning_gym_as_dataset(script_args):
+    evaluates = training_args.eval_strategy != "no"
+    with _dppo_in_place_of_grpo(made), _reasoning_gym_as_dataset(script_args, evaluates):
         grpo_main(script_args, training_args, model_args, dataset_args)
     accelerator = made[-1].accelerator if made else None
     if accelerator is not None and accelerator.num_processes > 1 and accelerator.device.type == "cpu":

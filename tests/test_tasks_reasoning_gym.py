@@ -72,6 +72,9 @@ def test_a_recipe_names_the_task_and_the_training_script_gets_its_rows(capsys):
     assert script_args.dataset_name == "reasoning-gym/chain_sum" and datasets.load_dataset.__module__ == "datasets.load"
     expected = reasoning_gym_dataset("chain_sum", size=5, seed=0, answer_format="last_number", **OPTIONS)
     assert loaded["train"][:] == expected[:]
+    with _reasoning_gym_as_dataset(script_args, with_test_split=True):  # where the run evaluates (eval_strategy)
+        test = datasets.load_dataset(script_args.dataset_name)["test"]
+    assert test[:] == reasoning_gym_dataset("chain_sum", size=5, seed=1, answer_format="last_number", **OPTIONS)[:]
     script_args, *_ = parse(["--config", "smollm2-chain-sum-lora", "--reasoning_gym_options", json.dumps({"min_terms": 3})])
     assert script_args.reasoning_gym_options == {"min_terms": 3}  # JSON on the command line
 
