@@ -117,7 +117,8 @@ def real_figures(runs, rows, window, heldout):
                    for r in grpo])  # fmt: skip
     return {"first": first, "last": last, "rise": last[0] - first[0], "rise_se": rise_se,
             "rise_z": (last[0] - first[0]) / rise_se if rise_se else None,
-            "heldout_rise": held[0], "heldout_rise_se": held[1], "heldout_rise_z": held[0] / held[1] if held[1] else None}  # fmt: skip
+            "heldout_rise": held[0], "heldout_rise_se": held[1],
+            "heldout_rise_z": held[0] / held[1] if held[1] else None}  # fmt: skip
 
 
 def fmt(mean, se, digits=3):
@@ -155,7 +156,8 @@ def evaluate(model, tokenizer, dataset, max_new_tokens, batch=32, seed=1234):
         torch.manual_seed(seed)
         for start in range(0, len(dataset), batch):
             rows = dataset[start : start + batch]
-            texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in rows["prompt"]]
+            texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                     for p in rows["prompt"]]  # fmt: skip
             encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             out = model.generate(**encoded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
@@ -243,10 +245,11 @@ def main(argv=None):
             print(f"[{time.perf_counter() - started:6.0f} s] {name} seed {seed}: {len(run['steps'])} steps, "
                   f"{run['steps'][-1]['wall']:.0f} s, reward first/last {args.window}: "
                   f"{statistics.mean(rewards[: args.window]):.3f} / {statistics.mean(rewards[-args.window :]):.3f}, "
-                  f"held-out {run['evals'][0]['accuracy']:.3f} -> {run['evals'][-1]['accuracy']:.3f}", flush=True)  # fmt: skip
+                  f"held-out {run['evals'][0]['accuracy']:.3f} -> {run['evals'][-1]['accuracy']:.3f}",
+                  flush=True)  # fmt: skip
             runs.append(run)
-            runs_file.write_text(json.dumps({"runs": runs, "trainer_args": setup["trainer_args"],
-                                             "elapsed_s": time.perf_counter() - started}, separators=(",", ":")))  # fmt: skip
+            record = {"runs": runs, "trainer_args": setup["trainer_args"], "elapsed_s": time.perf_counter() - started}
+            runs_file.write_text(json.dumps(record, separators=(",", ":")))
     return report(args, runs, setup["trainer_args"], time.perf_counter() - started, runs_file)
 
 
@@ -254,8 +257,9 @@ def report(args, runs, trainer_args, elapsed, runs_file):
     """The table, the plots and the summary JSON of finished runs."""
     rows = summarize(runs, args.methods, args.window)
     rise = real_figures(runs, rows, args.window, args.heldout)
-    print_table(rows, rise, f"SmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x "
-                            f"{args.prompts_per_step} prompts over {args.train_prompts} (seeds {args.seeds})")  # fmt: skip
+    title = (f"SmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x "
+             f"{args.prompts_per_step} prompts over {args.train_prompts} (seeds {args.seeds})")
+    print_table(rows, rise, title)
     plots = plot(runs, rows, args.methods, args.window, args.plots, "bench_real",
                  eval_label="sampled held-out score") if args.plots else []  # fmt: skip
     saved = {

