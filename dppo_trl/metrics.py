@@ -11,6 +11,25 @@ from __future__ import annotations
 
 import torch
 
+# TRL's metrics of the vLLM importance-sampling correction, which DPPO rebuilds from the kept rows.
+SAMPLING_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+
+
+def drop_last_entry(metrics: dict, name: str) -> None:
+    """Remove the value last appended to ``metrics[name]``, and the key once it holds none (TRL logs the mean of
+    each key's values since the last log: a key without values would be a division by zero)."""
+    values = metrics.get(name)
+    if values:
+        values.pop()
+    if name in metrics and not metrics[name]:
+        del metrics[name]
+
 
 def weighted_mean_stats(values: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``[sum w x mask, sum w mask]`` over a micro-batch (to be summed over ranks, then divided): token level

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -44,7 +45,7 @@ from .estimator import (
     horvitz_thompson_weights,
     trl_microbatch_normalizer,
 )
-from .metrics import ratio, weighted_mean_stats, weighted_quantile
+from .metrics import SAMPLING_METRICS, drop_last_entry, ratio, weighted_mean_stats, weighted_quantile
 from .packing import (
     balance_ranks,
     default_packed_tokens,
@@ -588,17 +589,29 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         means = self.accelerator.reduce(means.to(self.accelerator.device), reduction="sum").cpu()
         delta = delta[scored]
         ratios = ratio_.flatten() if ratio_.size(1) == 1 else ratio_[mask.bool()]
-        extremes = {
-            "sampling/sampling_logp_difference/max": (delta.max() if delta.numel() else delta.new_zeros(()), "max"),
-            "sampling/importance_sampling_ratio/min": (ratios.min() if ratios.numel() else ratios.new_zeros(()), "min"),
-            "sampling/importance_sampling_ratio/max": (ratios.max() if ratios.numel() else ratios.new_zeros(()), "max"),
-        }
+        extremes = self._gathered_extremes({"sampling/sampling_logp_difference/max": (delta, "max"),
+                                            "sampling/importance_sampling_ratio/min": (ratios, "min"),
+                                            "sampling/importance_sampling_ratio/max": (ratios, "max")})  # fmt: skip
         metrics = self._metrics["train"]
+        if float(means[1][1]) == 0:  # no kept row on any rank: no estimate, so no entry (neither TRL's value nor 0)
+            for name in SAMPLING_METRICS:
+                drop_last_entry(metrics, name)
+            return
         metrics["sampling/sampling_logp_difference/mean"][-1] = ratio(means[0])  # replaces TRL's value
         metrics["sampling/importance_sampling_ratio/mean"][-1] = ratio(means[1])
-        for name, (value, reduce) in extremes.items():
-            gathered = self.accelerator.gather(value.float().reshape(1))
-            metrics[name][-1] = float(getattr(gathered, reduce)())
+        for name, value in extremes.items():
+            metrics[name][-1] = value
+
+    def _gathered_extremes(self, local: dict) -> dict:
+        """``{name: (values, "max" | "min")}`` -> ``{name: the max or min over every rank's values}``; a rank
+        without values sends the reduction's identity (-inf for a max, +inf for a min)."""
+        out = {}
+        for name, (values, reduce) in local.items():
+            empty = -math.inf if reduce == "max" else math.inf
+            value = float(getattr(values, reduce)()) if values.numel() else empty
+            gathered = self.accelerator.gather(torch.tensor([value], device=self.accelerator.device))
+            out[name] = float(getattr(gathered, reduce)())
+        return out
 
     def _logps_of(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
         return self._get_per_token_logps_and_entropies(

@@ -114,17 +114,19 @@ def count_logprob_rows(trainer):
     """Sequences and real (non-pad) tokens through the model in the log-prob passes (old, ref, loss): TRL's
     padded calls carry `labels`; packed calls carry `shift_labels`, with `position_ids` restarting at 0 for
     each sequence and rows ending in pad-token fillers."""
-    counter = {"rows": 0, "tokens": 0}
+    counter = {"rows": 0, "tokens": 0, "no_grad_rows": 0}  # no_grad_rows: those of the passes without autograd
     pad = trainer.processing_class.pad_token_id
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids")
         if "labels" in kwargs:
-            counter["rows"] += ids.size(0)
+            rows = ids.size(0)
         elif "shift_labels" in kwargs:
-            counter["rows"] += int(((kwargs["position_ids"] == 0) & (ids != pad)).sum())
+            rows = int(((kwargs["position_ids"] == 0) & (ids != pad)).sum())
         else:
             return
+        counter["rows"] += rows
+        counter["no_grad_rows"] += 0 if torch.is_grad_enabled() else rows
         counter["tokens"] += int((ids != pad).sum())
 
     for model in (trainer.model, trainer.ref_model):
