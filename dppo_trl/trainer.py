@@ -599,8 +599,11 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
             return
         metrics["sampling/sampling_logp_difference/mean"][-1] = ratio(means[0])  # replaces TRL's value
         metrics["sampling/importance_sampling_ratio/mean"][-1] = ratio(means[1])
-        for name, value in extremes.items():
-            metrics[name][-1] = value
+        for name, value in extremes.items():  # infinite: kept rows, but none with a token the sampler scored
+            if math.isfinite(value):
+                metrics[name][-1] = value
+            else:
+                drop_last_entry(metrics, name)
 
     def _gathered_extremes(self, local: dict) -> dict:
         """``{name: (values, "max" | "min")}`` -> ``{name: the max or min over every rank's values}``; a rank

@@ -74,10 +74,12 @@ def test_the_real_model_table_from_a_small_dict():
                heldout_start_mean=0.2, heldout_final_mean=0.35,
                heldout_final_se=0.05)  # fmt: skip
     never = dict(row, method="topk", reached_target="0/2", time_to_target_ratio_mean=None)
-    table = render_docs.real_table({"results": [row, never]}).splitlines()
+    once = dict(row, method="once", reached_target="1/2", time_to_target_ratio_se=0.0)
+    table = render_docs.real_table({"results": [row, never, once]}).splitlines()
     assert table[2] == ("| DPPO (defaults: keep 0.5, stratified, packing) | 0.410 ± 0.034 | 2/2 | 0.500 ± 0.010 | "
                         "0.300 ± 0.020 | 0.250 ± 0.000 | 0.46 | 0.410 ± 0.030 | -0.020 ± 0.010 | 0.200 -> 0.350 ± 0.050 |")  # fmt: skip
     assert table[3].startswith("| topk | - | 0/2 |")
+    assert table[4].startswith("| once | 0.410 (one seed) | 1/2 |")  # no SE from a single seed
 
 
 def test_inline_values_read_fields_ratios_and_ranges():

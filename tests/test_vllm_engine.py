@@ -6,7 +6,7 @@ correction, bf16 sampling against the float32 trainer), 2 optimizer steps per ge
 process of its own (tests/vllm_worker.py). The learning rate is 0 in the compared batches: the parameters stay the
 start's, so vLLM samples the same completions in every run, and each batch's gradient, summed over its optimizer
 steps, is a gradient at one set of parameters (with SGD, lr times it is the update). Every batch uses another
-`vllm_importance_sampling_mode`, with clips (0.9, 1.1) that bite. About 5 minutes on 2 cores.
+`vllm_importance_sampling_mode`, with clips (0.9, 1.1) that bite. About 7 minutes on 2 cores.
 """
 
 import json
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_vllm_path import SAMPLING_KEYS
 
 pytest.importorskip("vllm", reason="the vLLM lane: `make test-vllm` (its own venv)")
 
@@ -29,13 +30,13 @@ SCENARIOS = {
     "dppo_keep_half": dict(trainer="dppo", max_steps=12, modes=MODES + ["token_truncate"] * 2,
                            constant_reward_batches=[4], trained_steps=[11, 12], dppo=dict(completion_keep_rate=0.5)),
 }  # fmt: skip
-COMPARED = len(MODES)
+COMPARED = len(MODES)  # generation batches at the same parameters in every run
 # VLLM_CPU_CI_ENV: vLLM's own switch for its CPU CI, dynamo with the eager backend instead of inductor (the same
 # model, not compiled: about 60 s less per engine start); a 1 GiB KV cache is plenty for 16 rows of 512 tokens.
+ENGINE_ENV = {"VLLM_CPU_CI_ENV": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 # DPPO's log-prob passes are packed, GRPO's padded: float32 rounding apart (per token about 1e-6, summed over a
 # sequence's tokens in the sequence modes' ratio).
 PACKED = dict(rtol=1e-4, atol=1e-5)
-ENGINE_ENV = {"VLLM_CPU_CI_ENV": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}  # generation batches at the same parameters in every run
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +90,6 @@ def test_keep_all_with_packing_gives_grpos_gradient_ratios_and_metrics(runs):
         for key in SAMPLING_KEYS:
             assert d[key] == pytest.approx(g[key], rel=PACKED["rtol"], abs=PACKED["atol"]), key
 
-
-SAMPLING_KEYS = [
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
-]
 
 
 def test_kept_rows_get_grpos_old_logprobs_and_ratio_in_every_mode(runs):
@@ -170,3 +163,20 @@ def test_server_mode_cannot_sync_weights_from_a_cpu_trainer():
     client.get_world_size = lambda: 1
     with pytest.raises(NotImplementedError, match="NCCL"):
         client.init_communicator(device="cpu")
+
+
+def test_bench_real_runs_with_vllm_generating(tmp_path):
+    """`make bench-real-vllm`'s program on a minimal setting: both trainers generate through the engine."""
+    out = tmp_path / "real_vllm.json"
+    argv = ["--vllm", "--seeds", "0", "--steps", "2", "--methods", "grpo", "dppo", "--warmup", "0", "--heldout", "4",
+            "--train-prompts", "2", "--prompts-per-step", "1", "--max-completion-length", "4", "--eval-every", "2",
+            "--window", "2", "--threads", "1", "--json", str(out)]  # fmt: skip
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29720", **ENGINE_ENV)
+    done = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_real.py"), *argv], env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["trainer_args"]["use_vllm"] and saved["trainer_args"]["vllm_mode"] == "colocate"
+    assert [r["method"] for r in saved["results"]] == ["grpo", "dppo"]
+    runs = json.loads((tmp_path / "real_vllm_runs.json").read_text())["runs"]
+    assert all(sum(s["generation"] for s in run["steps"]) > 0 for run in runs)

@@ -5,7 +5,7 @@ must rebuild exactly TRL's IS ratio and `sampling/*` metrics on the kept rows.""
 import pytest
 import torch
 from conftest import cpu_config, random_reward
-from test_trainer import count_logprob_rows, losses_of, params_of
+from test_trainer import constant_reward, count_logprob_rows, losses_of, params_of
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
@@ -53,10 +53,10 @@ SAMPLING_KEYS = [
 
 
 def run(cls, config_cls, tmp_path, mode, **kwargs):
+    kwargs.setdefault("beta", 0.05)
     return cpu_config(
         tmp_path,
         cls=config_cls,
-        beta=0.05,
         steps_per_generation=2,
         gradient_accumulation_steps=2,
         vllm_importance_sampling_mode=mode,
@@ -111,3 +111,18 @@ def test_pruned_old_policy_pass_skips_pruned_rows_and_keeps_trls_ratio(tmp_path,
     kept = sum(int(r["dppo_keep"].sum()) for r in dppo.records)
     assert results["grpo"][1] == 16 * 3 * len(grpo.records)  # old + ref + loss, every row
     assert results["dppo"][1] == kept * 3  # old + ref + loss, kept rows only
+
+
+def test_a_batch_that_keeps_nothing_logs_no_sampling_metrics(tmp_path, tiny_model_dir, train_dataset):
+    """Equal rewards in every group: DPPO keeps no completion and has no IS ratio to estimate, so its log leaves
+    the `sampling/*` keys out (a 0 would read as every ratio masked); GRPO logs them as always."""
+    logs = {}
+    for name, cls, cfg in [("grpo", SimGRPO, GRPOConfig), ("dppo", SimDPPO, DPPOConfig)]:
+        args = run(cls, cfg, tmp_path / name, "token_truncate", max_steps=1, beta=0.0)  # beta > 0 keeps them (KL)
+        trainer = cls(tiny_model_dir, constant_reward, args=args, train_dataset=train_dataset)
+        trainer.use_vllm = True
+        trainer.train()
+        logs[name] = next(h for h in trainer.state.log_history if "loss" in h)
+    assert logs["dppo"]["dppo/kept_fraction"] == 0
+    assert not any(key in logs["dppo"] for key in SAMPLING_KEYS)
+    assert all(key in logs["grpo"] for key in SAMPLING_KEYS)
