@@ -6,7 +6,7 @@ correction, bf16 sampling against the float32 trainer), 2 optimizer steps per ge
 process of its own (tests/vllm_worker.py). The learning rate is 0 in the compared batches: the parameters stay the
 start's, so vLLM samples the same completions in every run, and each batch's gradient, summed over its optimizer
 steps, is a gradient at one set of parameters (with SGD, lr times it is the update). Every batch uses another
-`vllm_importance_sampling_mode`, with clips (0.9, 1.1) that bite. About 7 minutes on 2 cores.
+`vllm_importance_sampling_mode`, with clips (0.9, 1.1) that bite. About 5 minutes on 2 cores.
 """
 
 import json
