@@ -91,7 +91,6 @@ def test_keep_all_with_packing_gives_grpos_gradient_ratios_and_metrics(runs):
             assert d[key] == pytest.approx(g[key], rel=PACKED["rtol"], abs=PACKED["atol"]), key
 
 
-
 def test_kept_rows_get_grpos_old_logprobs_and_ratio_in_every_mode(runs):
     grpo, dppo = runs["grpo"]["records"], runs["dppo_keep_half"]["records"]
     assert [r["mode"] for r in dppo[:COMPARED]] == MODES == [r["mode"] for r in grpo]
