@@ -37,8 +37,11 @@ def _number(value) -> str:
 
 
 class DPPOSummaryCallback(TrainerCallback):
-    """Prints one line at the end of training: steps, wall time, reward at the first and last log, and the
-    kept fractions of completions and prompts."""
+    """Prints one line at the end of training: steps, wall time, reward at the first and last log, the kept
+    fractions of completions and prompts, and the gradient audit's summary (``audit_summary()``, when it gives one)."""
+
+    def __init__(self, audit_summary=None):
+        self.audit_summary = audit_summary
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
@@ -57,6 +60,9 @@ class DPPOSummaryCallback(TrainerCallback):
             values = [h[key] for h in state.log_history if _is_number(h.get(key))]
             if values:
                 parts.append(f"{label} {sum(values) / len(values):.3f}")
+        audit = self.audit_summary() if self.audit_summary is not None else None
+        if audit:
+            parts.append(audit)
         print("DPPO summary: " + ", ".join(parts))
 
 

@@ -20,6 +20,9 @@ _DEFAULT_SAMPLING = "stratified"  # chosen from make bench-variance and make ben
 _DEFAULT_PROMPT_KEEP_FLOOR = 0.1
 _DEFAULT_PROMPT_HISTORY_DECAY = 0.5
 KEEP_BUDGETS = ("rows", "tokens")
+ADAPTIVE_ERROR_SOURCES = ("model", "audit")
+_DEFAULT_AUDIT_SKETCH_DIM = 4096
+_DEFAULT_AUDIT_EXACT_PARAMS = 1 << 22
 
 
 def _is_number(value) -> bool:
@@ -108,6 +111,46 @@ class DPPOConfig(GRPOConfig):
             "fewest kept. Still unbiased: the rate, hence pi, is a function of the batch alone, and every "
             "unbiased design keeps each row with probability exactly pi for any such pi (the enumeration tests "
             "of tests/test_unbiased.py). None: a fixed rate. Used by the unbiased designs.",
+        },
+    )
+    adaptive_keep_error_source: str = field(
+        default="model",
+        metadata={
+            "help": "What `adaptive_keep_error` bounds: 'model' (default), the model-based `dppo/pruning_error`; "
+            "'audit', the measured relative error of the gradient audit (`audit_every > 0`): the model-based "
+            "target is divided by the median ratio of measured to model-based error over the batches audited so "
+            "far (1 before the first audit), so each batch's keep rate still depends only on earlier batches and "
+            "its own scores, never on its own draw. Used with `adaptive_keep_error`.",
+            "choices": list(ADAPTIVE_ERROR_SOURCES),
+        },
+    )
+    audit_every: int = field(
+        default=0,
+        metadata={
+            "help": "Online gradient audit: every this many generation batches (the same batches on every rank, "
+            "from `seed` and the training position), before the batch's first optimizer step, GRPO's gradient of "
+            "the whole batch and DPPO's of its kept rows are computed at the current parameters (no `.grad`, no "
+            "RNG or optimizer state touched) and compared: `dppo/audit_cosine`, `dppo/audit_rel_error`, "
+            "`dppo/audit_noise_to_signal` (measured over model-based error), `dppo/audit_bias_z` (the running "
+            "bias statistic), `dppo/audit_seconds`. Costs about (1 + keep) / (keep x audit_every) of DPPO's "
+            "training compute. 0 (default): off. See docs/usage.md.",
+        },
+    )
+    audit_sketch_dim: int = field(
+        default=_DEFAULT_AUDIT_SKETCH_DIM,
+        metadata={
+            "help": "Directions of the audit's random sketch (a CountSketch of every trainable parameter's "
+            "gradient, seeded, the same on every rank) when there are more than `audit_exact_params` trainable "
+            "parameters: norms and cosines within about sqrt(2 / k) relative, and no gradient copy is stored. "
+            "Used with `audit_every > 0`.",
+        },
+    )
+    audit_exact_params: int = field(
+        default=_DEFAULT_AUDIT_EXACT_PARAMS,
+        metadata={
+            "help": "Up to this many trainable parameters (default 4,194,304: LoRA on a small or mid-size model), "
+            "the audit compares the gradients exactly (float64 copies, four vectors of this size). 0: always "
+            "sketch. Used with `audit_every > 0`.",
         },
     )
     prune_seed: int | None = field(
@@ -216,6 +259,7 @@ class DPPOConfig(GRPOConfig):
             isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
         ):
             raise ValueError(f"prune_seed={self.prune_seed!r} is invalid: it must be None or an integer >= 0.")
+        self._validate_audit_fields()
         _check_unit_interval("prompt_keep_rate", self.prompt_keep_rate)
         _check_unit_interval("prompt_keep_floor", self.prompt_keep_floor)
         decay = self.prompt_history_decay
@@ -247,10 +291,59 @@ class DPPOConfig(GRPOConfig):
         if unused:
             logger.warning("DPPOConfig: " + "; ".join(unused) + ".")
 
+    def _validate_audit_fields(self) -> None:
+        for name, low in (("audit_every", 0), ("audit_sketch_dim", 1), ("audit_exact_params", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {low}.")
+        if self.adaptive_keep_error_source not in ADAPTIVE_ERROR_SOURCES:
+            raise ValueError(
+                f"adaptive_keep_error_source={self.adaptive_keep_error_source!r} is invalid: it must be one of "
+                f"{list(ADAPTIVE_ERROR_SOURCES)}."
+            )
+        if self.audit_every and self.prompt_pruning:
+            raise ValueError(
+                f"audit_every={self.audit_every!r} cannot be combined with prompt_keep_rate={self.prompt_keep_rate!r} "
+                "yet: the audit compares completion pruning with GRPO on the same accepted batch, and prompt weights "
+                "are unbiased over an epoch, not within one batch. Use prompt_keep_rate=1.0 or audit_every=0."
+            )
+        if self.audit_every and (self.deepspeed or self.fsdp):
+            raise ValueError(
+                f"audit_every={self.audit_every!r} is not supported with DeepSpeed or FSDP yet (the audit takes "
+                "gradients of the unsharded parameters); set audit_every=0."
+            )
+
+    def _unused_audit_settings(self) -> list[str]:
+        unused = []
+        if not self.audit_every:
+            for name, default in (("audit_sketch_dim", _DEFAULT_AUDIT_SKETCH_DIM),
+                                  ("audit_exact_params", _DEFAULT_AUDIT_EXACT_PARAMS)):  # fmt: skip
+                if getattr(self, name) != default:
+                    unused.append(f"{name}={getattr(self, name)!r} is not used while audit_every=0")
+        elif not self.dppo_training_path:
+            unused.append(f"audit_every={self.audit_every!r} is not used: nothing is pruned or packed (GRPO's own path)")
+        elif not self.completion_pruning:
+            unused.append(
+                f"audit_every={self.audit_every!r} with completion_keep_rate=1.0: nothing is pruned, the audit "
+                "measures only the float rounding of DPPO's passes"
+            )
+        if self.adaptive_keep_error_source != "model":
+            if self.adaptive_keep_error is None:
+                unused.append(
+                    f"adaptive_keep_error_source={self.adaptive_keep_error_source!r} is not used while "
+                    "adaptive_keep_error=None"
+                )
+            elif not self.audit_every:
+                unused.append(
+                    "adaptive_keep_error_source='audit' has no audit to learn from while audit_every=0: the "
+                    "model-based error is used"
+                )
+        return unused
+
     def _unused_settings(self) -> list[str]:
         """Valid settings that the current configuration does not use (a warning, not an error: sweeps and one-flag
         baselines override one field over a recipe that sets others), and a floor that raises the kept fraction."""
-        unused = []
+        unused = self._unused_audit_settings()
         if not self.prompt_pruning:
             for name, default in (("prompt_keep_floor", _DEFAULT_PROMPT_KEEP_FLOOR),
                                   ("prompt_history_decay", _DEFAULT_PROMPT_HISTORY_DECAY)):  # fmt: skip

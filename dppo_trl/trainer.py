@@ -35,6 +35,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
+from .audit_hooks import GradientAuditHooks
 from .batch import filler_row, loss_mask, pad_to_width, select_rows, with_fillers
 from .callbacks import DataProgressBarCallback, DPPOSummaryCallback
 from .config import DPPOConfig, as_dppo_config
@@ -72,7 +73,7 @@ from .pruning import (
 )
 
 
-class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
+class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
     batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
 
@@ -128,7 +129,12 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         self._padded_widths: torch.Tensor | None = None
         attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
         self._varlen_attention = is_varlen_attention(attention)
-        self.add_callback(DPPOSummaryCallback())
+        self.add_callback(DPPOSummaryCallback(self._audit_summary))
+        if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError(
+                f"audit_every={self.args.audit_every!r} is not supported with DeepSpeed or FSDP yet (the audit takes "
+                "gradients of the unsharded parameters); set audit_every=0."
+            )
         if self.args.prompt_pruning and self.args.max_steps <= 0:
             self.add_callback(
                 DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks)
@@ -136,7 +142,7 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
 
     # ------------------------------------------------------------------ hooks
     def _dppo_now(self) -> bool:
-        return self.args.dppo_training_path and self.model.training
+        return self.args.dppo_training_path and self.model.training and not self._in_grpo_reference
 
     def _local(self, rows_per_rank: int) -> slice:
         """This rank's rows of a batch gathered from every rank (TRL's process slice)."""
@@ -211,8 +217,11 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
             self._log_pruning_metrics(output, keep, weights, pi, scores)
         local, device = self._local(output["advantages"].size(0)), output["advantages"].device
         output["dppo_keep"], output["dppo_weight"] = keep[local].to(device), weights[local].to(device)
+        audit_rows = dict(output) if self._audit_this_batch() else None  # this rank's rows before any exchange
         output = self._balance_ranks(output)
         self._run_deferred_logps(output, calls, output["dppo_keep"])
+        if audit_rows is not None:
+            self._build_grpo_reference(audit_rows, calls)
         output["dppo_weight"] = output["dppo_weight"].to(torch.float32)
         return output
 
@@ -223,8 +232,10 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
             # TRL's own shuffle: it draws from the global RNG exactly as GRPOTrainer does, whatever was pruned.
+            shuffle_rng_state = torch.get_rng_state()
             batch = shuffle_sequence_dict(batch)
             self._buffered_inputs = self._kept_microbatches(batch)
+            self._audit_generation_batch(shuffle_rng_state)  # nothing unless this batch is audited
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _compute_loss(self, model, inputs):
@@ -389,12 +400,15 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         self._metrics["train"]["kl"].append((stats[0] / stats[1].clamp(min=1e-12)).item())
         return (row_kl * w).sum()
 
+    def _training_position(self) -> int:
+        """Micro-steps taken since the start of training, from the optimizer steps (so a resumed run counts on)."""
+        ga = self.args.gradient_accumulation_steps
+        return self.state.global_step * ga + self._step % ga
+
     def _prune_seed(self) -> int:
         base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
         # One draw per generation batch, indexed by the training position so a resumed run draws the same.
-        draw = self.state.global_step * self.args.gradient_accumulation_steps + (
-            self._step % self.args.gradient_accumulation_steps
-        )
+        draw = self._training_position()
         return (base * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
 
     def _draw_keep_mask(self, output, scores):
@@ -450,7 +464,10 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         )
         if self.args.adaptive_keep_error is None or self.args.prune_sampling not in unbiased_designs():
             return problem
-        return dataclasses.replace(problem, keep_rate=adaptive_keep_rate(problem, self.args.adaptive_keep_error))
+        # With adaptive_keep_error_source='audit', the target on the model-based error is scaled by how much the
+        # measured error exceeded it on earlier audited batches (never this batch's draw).
+        target = self.args.adaptive_keep_error / self._measured_error_scale()
+        return dataclasses.replace(problem, keep_rate=adaptive_keep_rate(problem, target))
 
     def _gather_row_tokens(self, output) -> None:
         """Every rank's per-row token counts (prompt, completion, loss tokens: ``_row_tokens``, one row per row of
@@ -533,16 +550,9 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
         filler_mask[:, output["prompt_ids"].size(1) - 1] = 1  # one real token: the last prompt column
         groups = self._deferred_call_groups(rows)
         logits_to_keep = output["completion_ids"].size(1)
-        # TRL calls, in order: the old-policy pass (only when it needs one), then the reference pass (beta != 0).
-        has_ref = int(self.beta != 0.0)
-        names = ["old_per_token_logps"] * (len(calls) - has_ref) + ["ref_per_token_logps"] * has_ref
-        for name, model in zip(names, calls):
+        for name, model in zip(self._deferred_pass_names(calls), calls):
             full = output[name]
-            adapter = contextlib.nullcontext()
-            if name == "ref_per_token_logps" and self.ref_model is None:  # the reference is the policy's base/adapter
-                unwrapped = self.accelerator.unwrap_model(self.model)
-                adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-                model = self.model
+            model, adapter = self._deferred_pass_model(name, model)
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), adapter:
                 for group in groups:
                     if group.numel():
@@ -553,6 +563,20 @@ class DPPOTrainer(PromptPruningHooks, GRPOTrainer):
                         self._logps_of(model, input_ids[:1], filler_mask, logits_to_keep, 1)
         if "importance_sampling_ratio" in output:  # on every rank: it gathers metrics
             self._recompute_vllm_importance_sampling(output, rows)
+
+    def _deferred_pass_names(self, calls: list) -> list[str]:
+        """The output key each deferred call fills. TRL calls, in order: the old-policy pass (only when it needs
+        one), then the reference pass (``beta != 0``)."""
+        has_ref = int(self.beta != 0.0)
+        return ["old_per_token_logps"] * (len(calls) - has_ref) + ["ref_per_token_logps"] * has_ref
+
+    def _deferred_pass_model(self, name: str, model) -> tuple:
+        """``(model, context)`` of a deferred pass: TRL's model, or for the reference of a PEFT policy without a
+        reference model, the policy inside the adapter context TRL had entered (the base, or the ``ref`` adapter)."""
+        if name == "ref_per_token_logps" and self.ref_model is None:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            return self.model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+        return model, contextlib.nullcontext()
 
     def _deferred_call_groups(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The kept rows of each forward call of a deferred pass, as many calls on every rank (each rank's calls
