@@ -10,6 +10,8 @@ checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEP
 R's scores are moved up by one ulp before each keep decision and before they enter its prompt history (as on a
 rank whose math library rounds differently). With --fsdp the policy and the reference model are sharded with
 FSDP2 (`fully_shard`) instead of the policy being wrapped in DDP. --beta B: the KL coefficient (default 0.05).
+--audit-sketch K: the gradient audit on every generation batch through a K-direction sketch (no clipping), each
+audit's two reduced sketches and the optimizer's gradient at every step saved per rank (audit{rank}.pt).
 
 Every forward call of the policy and reference models is recorded (a forward pre-hook): which model, whether it
 is a log-prob call (``labels`` or ``shift_labels`` among its kwargs; generation calls have neither), whether
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -48,6 +51,10 @@ class Worker(DPPOTrainer):
             self.__dict__.setdefault("local_kept_tokens", []).append(int(lengths[out["dppo_keep"]].sum()))
             self.__dict__.setdefault("prompts", []).append([x["prompt"] for x in inputs])
         return out
+
+    def _record_audit(self, dppo, grpo, seconds):
+        self.__dict__.setdefault("audits", []).append([dppo.clone(), grpo.clone()])
+        super()._record_audit(dppo, grpo, seconds)
 
     def _decide_keep(self, scores, lengths, loss_tokens):
         decision = super()._decide_keep(scores, lengths, loss_tokens)
@@ -83,6 +90,18 @@ class Worker(DPPOTrainer):
                 "prompt_lengths": output["prompt_mask"].sum(1).tolist(),
             }
         return super()._draw_keep_mask(output, advantages)
+
+
+class OptimizerGradients(TrainerCallback):
+    """``(name, grad)`` of every trainable parameter at each optimizer step (after DDP's reduction)."""
+
+    def __init__(self):
+        self.model, self.steps = None, []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        named = [(n, p.grad.detach().clone() if p.grad is not None else None, p.numel())
+                 for n, p in self.model.named_parameters() if p.requires_grad]  # fmt: skip
+        self.steps.append(named)
 
 
 def record_forward_calls(trainer, calls, run):
@@ -138,6 +157,7 @@ def main(argv):
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--perturb-rank", type=int, default=None)
     parser.add_argument("--beta", type=float, default=0.05)
+    parser.add_argument("--audit-sketch", type=int, default=None)
     a = parser.parse_args(argv)
     Worker.perturb_rank = a.perturb_rank
     Worker.RANK_BALANCE_TOLERANCE = a.tolerance
@@ -164,11 +184,15 @@ def main(argv):
         prune_sampling=a.sampling,
         prompt_keep_rate=a.prompt_keep_rate,
         **sharding,
-    )
+        **({} if a.audit_sketch is None else
+           dict(audit_every=1, audit_sketch_dim=a.audit_sketch, audit_exact_params=0, max_grad_norm=0.0)),
+    )  # fmt: skip
     dataset = addition_dataset(addition_pairs()[0][: 16 if a.prompt_keep_rate < 1 else 64])
     calls = []
     if a.stop is None:
-        trainer = Worker(a.model_dir, random_reward, args=args, train_dataset=dataset)
+        gradients = OptimizerGradients()
+        trainer = Worker(a.model_dir, random_reward, args=args, train_dataset=dataset, callbacks=[gradients])
+        gradients.model = trainer.model
         record_forward_calls(trainer, calls, 0)
         trainer.train()
         trainers = [trainer]
@@ -211,6 +235,9 @@ def main(argv):
         },
     }
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    if a.audit_sketch is not None:
+        torch.save({"audits": trainer.audits, "steps": gradients.steps, "sketch": trainer._audit_sketch},
+                   Path(a.out_dir, f"audit{rank}.pt"))  # fmt: skip
     # Leave without running destructors: freeing DDP's reducer frees its gloo process group, whose destructor
     # joins gloo's worker thread while holding the GIL, and that thread may still need the GIL to free the last
     # gather's tensors. Depending on when that happens, a finished rank hangs or aborts at exit (a torch race:

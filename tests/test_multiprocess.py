@@ -231,3 +231,20 @@ def test_ranks_whose_floats_differ_in_the_last_bit_share_one_decision(tmp_path, 
     assert ranks[1]["own_q"] != ranks[0]["own_q"]  # and its own acceptance probabilities
     assert ranks[0]["prompt_decisions"] == ranks[1]["prompt_decisions"] and ranks[0]["prompt_decisions"]
     assert min(w for weights, _ in ranks[0]["prompt_decisions"] for w in weights) < 1.0  # prompts were pruned
+
+
+def test_two_ranks_audit_the_same_batches_with_the_same_sketch(tmp_path, tiny_model_dir):
+    """The gradient audit on two ranks (every generation batch, a 256-direction sketch): both ranks hold the same
+    reduced sketches, bit for bit, and the audited DPPO gradient is the sketch of what DDP's optimizer receives at
+    the batch's first step (GA == steps_per_generation: that step takes the whole batch)."""
+    from dppo_trl.audit import sketch_gradients
+
+    torchrun(tmp_path, tiny_model_dir, "stratified", 0.5, 4, "--audit-sketch", 256)
+    ranks = [torch.load(tmp_path / f"audit{r}.pt", weights_only=False) for r in range(2)]
+    assert len(ranks[0]["audits"]) == 2 and not ranks[0]["sketch"].exact
+    for (dppo0, grpo0), (dppo1, grpo1) in zip(ranks[0]["audits"], ranks[1]["audits"]):
+        assert torch.equal(dppo0, dppo1) and torch.equal(grpo0, grpo1)
+    generate_every = 2  # optimizer steps per generation batch: num_iterations 2 x (spg 2 / GA 2)
+    for batch, (dppo, _) in enumerate(ranks[0]["audits"]):
+        received = sketch_gradients(ranks[0]["sketch"], ranks[0]["steps"][batch * generate_every]).cpu()
+        torch.testing.assert_close(dppo, received, rtol=1e-4, atol=1e-5 * float(received.abs().max()))
