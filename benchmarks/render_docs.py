@@ -117,6 +117,8 @@ def rows(name: str, data: dict) -> dict[str, dict]:
         out.update({f"{r['world']}/{r['keep_rate']}": r for r in data["results"]})
     elif name == "bench_train":
         out.update({r["variant"]: r for r in data["results"]})
+    elif name == "bench_audit":
+        out.update({f"{r['design']}/{r['seed']}": r for r in data["rows"]})
     return out
 
 
@@ -417,6 +419,20 @@ def real_table(data: dict) -> str:
     return md_table(header, body)
 
 
+def audit_table(data: dict) -> str:
+    """bench_audit.json: each design's audit readings on the real model."""
+    def cell(x, spec=".3f"):
+        return "-" if x is None else format(x, spec)
+
+    header = ["design", "seed", "audits", "median cosine", "mean measured rel. error", "mean model-based error",
+              "median measured / model", "final bias z", "largest bias z", "audit time / rest of the run"]
+    body = [[f"`{r['design']}`", str(r["seed"]), str(r["audits"]), cell(r["median_cosine"]),
+             cell(r["mean_rel_error"]), cell(r["mean_model_error"]), cell(r["median_noise_to_signal"], ".2f"),
+             cell(r["final_bias_z"], ".2f"), cell(r["max_bias_z"], ".2f"), cell(r["audit_share"], ".2f")]
+            for r in data["rows"]]  # fmt: skip
+    return md_table(header, body)
+
+
 # ------------------------------------------------------------------------------------------ the registry
 
 
@@ -440,6 +456,7 @@ TABLES = {  # block name -> (results file, function of its JSON)
     "bench_train": ("bench_train", train_table),
     "bench_real": ("bench_real", real_table),
     "bench_real_vllm": ("bench_real_vllm", real_table),
+    "bench_audit": ("bench_audit", audit_table),
 }
 
 

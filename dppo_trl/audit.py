@@ -108,14 +108,13 @@ def bias_z(moments: RunningMoments) -> float | None:
     ``n - 1`` degrees of freedom), as a two-sided z after a Bonferroni correction for the number of directions
     that vary: ``z = Phi^-1(1 - p / 2)`` with ``p = min(1, m x p_min)``. Under unbiasedness
     ``P(z > c) <= 2 (1 - Phi(c))`` (conservative: 3 is exceeded with probability at most 0.27%). None before two
-    audits; 0 when nothing varies and every mean is 0; inf when a direction has a nonzero mean and no spread."""
+    audits. A direction without spread has no standard error and is left out (e.g. a parameter whose gradient
+    is 0 in both estimates, or equal to the last bit across audits); 0 when no direction varies."""
     n = moments.count
     if n < 2:
         return None
     se = (moments.m2.clamp(min=0) / (n - 1) / n).sqrt()
     varies = se > 0
-    if bool(((~varies) & (moments.mean != 0)).any()):
-        return math.inf
     if not bool(varies.any()):
         return 0.0
     t_max = float((moments.mean[varies].abs() / se[varies]).max())
@@ -131,7 +130,7 @@ def two_sided_z(p: float) -> float:
 
 
 def student_t_two_sided_p(t: float, df: int) -> float:
-    """``P(|T| > t)`` for Student's t with ``df`` degrees of freedom: ``I_x(df / 2, 1 / 2)``, ``x = df / (df + t^2)``."""
+    """``P(|T| > t)`` for Student's t with ``df`` degrees of freedom: ``I_x(df / 2, 1 / 2)``, ``x = df / (df + t²)``."""
     return regularized_incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
 
 

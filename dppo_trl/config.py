@@ -22,7 +22,7 @@ _DEFAULT_PROMPT_HISTORY_DECAY = 0.5
 KEEP_BUDGETS = ("rows", "tokens")
 ADAPTIVE_ERROR_SOURCES = ("model", "audit")
 _DEFAULT_AUDIT_SKETCH_DIM = 4096
-_DEFAULT_AUDIT_EXACT_PARAMS = 1 << 22
+_DEFAULT_AUDIT_EXACT_PARAMS = 1 << 23
 
 
 def _is_number(value) -> bool:
@@ -148,9 +148,9 @@ class DPPOConfig(GRPOConfig):
     audit_exact_params: int = field(
         default=_DEFAULT_AUDIT_EXACT_PARAMS,
         metadata={
-            "help": "Up to this many trainable parameters (default 4,194,304: LoRA on a small or mid-size model), "
-            "the audit compares the gradients exactly (float64 copies, four vectors of this size). 0: always "
-            "sketch. Used with `audit_every > 0`.",
+            "help": "Up to this many trainable parameters (default 8,388,608: e.g. LoRA r=16 on every linear layer "
+            "of SmolLM2-135M, 4.9M), the audit compares the gradients exactly (float64 copies on the CPU, four "
+            "vectors of this size). 0: always sketch. Used with `audit_every > 0`.",
         },
     )
     prune_seed: int | None = field(
@@ -321,7 +321,7 @@ class DPPOConfig(GRPOConfig):
                 if getattr(self, name) != default:
                     unused.append(f"{name}={getattr(self, name)!r} is not used while audit_every=0")
         elif not self.dppo_training_path:
-            unused.append(f"audit_every={self.audit_every!r} is not used: nothing is pruned or packed (GRPO's own path)")
+            unused.append(f"audit_every={self.audit_every!r} is not used: nothing is pruned or packed (GRPO's path)")
         elif not self.completion_pruning:
             unused.append(
                 f"audit_every={self.audit_every!r} with completion_keep_rate=1.0: nothing is pruned, the audit "

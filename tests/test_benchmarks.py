@@ -197,3 +197,19 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
     assert "GRPO's curve:" in capsys.readouterr().out
     again = bench_real.main([*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")])
     assert [r["time_to_target_ratio"] for r in again] == [r["time_to_target_ratio"] for r in rows]
+
+
+import bench_audit  # noqa: E402
+
+
+def test_bench_audit_reports_each_designs_audit_readings(tmp_path, capsys):
+    out = tmp_path / "audit.json"
+    rows = bench_audit.main(["--steps", "2", "--designs", "stratified", "topk", "--prompts-per-step", "1",
+                             "--max-completion-length", "4", "--json", str(out)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert [r["design"] for r in saved["rows"]] == ["stratified", "topk"] == [r["design"] for r in rows]
+    for row, run in zip(saved["rows"], saved["runs"]):
+        assert row["audits"] == len(run["audits"]) == 2 and row["exact"]
+        assert row["audit_share"] > 0 and row["mean_rel_error"] >= 0
+    assert saved["rows"][1]["mean_model_error"] is None  # topk has no keep probabilities: no model-based error
+    assert "| stratified | 0 | 2 |" in capsys.readouterr().out

@@ -17,6 +17,10 @@ DPPO_FIELDS = {
     "keep_budget",
     "score_length_exponent",
     "adaptive_keep_error",
+    "adaptive_keep_error_source",
+    "audit_every",
+    "audit_sketch_dim",
+    "audit_exact_params",
     "packing",
     "max_packed_tokens",
     "prompt_keep_rate",
@@ -108,6 +112,16 @@ def test_defaults():
         ("prompt_history_decay", "0.5"),
         ("prompt_history_decay", False),
         ("prompt_history_decay", float("nan")),
+        ("adaptive_keep_error_source", "measured"),
+        ("adaptive_keep_error_source", None),
+        ("audit_every", -1),
+        ("audit_every", 1.5),
+        ("audit_every", True),
+        ("audit_every", "10"),
+        ("audit_sketch_dim", 0),
+        ("audit_sketch_dim", 64.0),
+        ("audit_exact_params", -1),
+        ("audit_exact_params", None),
     ],
 )
 def test_bad_values_name_the_field(field, value):
@@ -165,6 +179,12 @@ def test_every_dppo_field_is_in_the_config_reference():
         (dict(prune_sampling="topk", adaptive_keep_error=0.3), "adaptive_keep_error"),
         (dict(packing=False, max_packed_tokens=64), "max_packed_tokens"),
         (dict(completion_keep_rate=0.01), "keep_floor"),  # the floor keeps more than the rate
+        (dict(audit_sketch_dim=128), "audit_sketch_dim"),  # the audit is off
+        (dict(audit_exact_params=0), "audit_exact_params"),
+        (dict(audit_every=5, completion_keep_rate=1.0), "audit_every"),  # nothing is pruned: float rounding only
+        (dict(audit_every=5, completion_keep_rate=1.0, packing=False), "audit_every"),  # GRPO's path: never runs
+        (dict(adaptive_keep_error_source="audit"), "adaptive_keep_error_source"),  # no adaptive_keep_error
+        (dict(adaptive_keep_error=0.3, adaptive_keep_error_source="audit"), "adaptive_keep_error_source"),  # no audit
     ],
 )
 def test_valid_settings_that_the_configuration_does_not_use_warn_once(kwargs, field, caplog):
@@ -181,7 +201,18 @@ def test_a_configuration_that_uses_every_setting_does_not_warn(caplog):
     with caplog.at_level("WARNING", logger="dppo_trl.config"):
         make(completion_keep_rate=0.3, keep_floor=0.1, prune_seed=2, prompt_keep_rate=0.5, prompt_keep_floor=0.2,
              max_packed_tokens=64)  # fmt: skip
+        make(audit_every=10, audit_sketch_dim=256, audit_exact_params=0, adaptive_keep_error=0.3,
+             adaptive_keep_error_source="audit")  # fmt: skip
     assert not [r for r in caplog.records if r.name == "dppo_trl.config"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(prompt_keep_rate=0.5), dict(deepspeed={"zero_optimization": {"stage": 2}})])
+def test_the_audit_refuses_what_it_cannot_measure_yet(kwargs):
+    """Prompt pruning (its weights are unbiased over an epoch, not within the audited batch) and sharded or
+    partitioned training (the audit takes gradients of the unsharded parameters)."""
+    with pytest.raises(ValueError, match="audit_every"):
+        make(audit_every=4, **kwargs)
+    make(audit_every=0, **{k: v for k, v in kwargs.items() if k == "prompt_keep_rate"})  # off: accepted
 
 
 def test_trainer_rejects_bad_setups_before_loading_any_model(tmp_path):

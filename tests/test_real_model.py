@@ -140,7 +140,7 @@ def test_the_command_line_trains_it_from_the_bundled_recipe(tmp_path, smollm2_di
     out = tmp_path / "run"
     argv = ["--config", "smollm2-chain-sum-lora", "--max_steps", "1", "--per_device_train_batch_size", "8",
             "--num_generations", "4", "--max_completion_length", "8", "--reasoning_gym_size", "8",
-            "--output_dir", str(out), "--logging_steps", "1"]  # fmt: skip
+            "--output_dir", str(out), "--logging_steps", "1", "--audit_every", "1"]  # fmt: skip
     if Path(smollm2_dir) != default_dir() or os.environ.get("XDG_CACHE_HOME"):
         argv += ["--model_name_or_path", smollm2_dir]  # the recipe names the default folder
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -148,4 +148,5 @@ def test_the_command_line_trains_it_from_the_bundled_recipe(tmp_path, smollm2_di
                          cwd=tmp_path, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "DPPO summary" in run.stdout + run.stderr
+    assert "'dppo/audit_cosine'" in run.stdout + run.stderr and "audits 1, median cosine" in run.stdout
     assert (out / "adapter_model.safetensors").is_file()
