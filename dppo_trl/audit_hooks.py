@@ -129,10 +129,26 @@ class GradientAuditHooks:
         for batch in batches:
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, batch)
-            grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+            grads = self._gradients_of(loss, [p for _, p in params])
             sketch = sketch_gradients(self._audit_sketch, [(n, g, p.numel()) for (n, p), g in zip(params, grads)])
             total = sketch if total is None else total + sketch
         return total
+
+    def _gradients_of(self, loss, params: list) -> list:
+        """``d loss / d params`` with every ``.grad`` left as it was: ``torch.autograd.grad``; under reentrant
+        gradient checkpointing, which refuses it, a backward into emptied ``.grad`` slots that are then put back."""
+        kwargs = self.args.gradient_checkpointing_kwargs or {}
+        if not (self.args.gradient_checkpointing and kwargs.get("use_reentrant")):
+            return torch.autograd.grad(loss, params, allow_unused=True)
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss.backward()
+            return [p.grad for p in params]
+        finally:
+            for p, grad in zip(params, saved):
+                p.grad = grad
 
     def _record_audit(self, dppo: torch.Tensor, grpo: torch.Tensor, seconds: float) -> None:
         """Log this audit (``dppo/audit_*``) and update the run's bias statistic."""

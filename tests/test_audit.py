@@ -188,13 +188,16 @@ def test_audited_gradients_are_what_grpo_and_dppo_optimizers_receive(tmp_path, t
     assert not torch.allclose(audit_dppo, audit_grpo)  # half the rows are pruned: the two differ
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+@pytest.mark.parametrize("loss_type,checkpointing", [("dapo", None), ("grpo", None), ("dapo", {"use_reentrant": True})])
 def test_with_fewer_accumulation_steps_the_audit_sums_the_batchs_steps(tmp_path, tiny_model_dir, train_dataset,
-                                                                       loss_type):  # fmt: skip
+                                                                       loss_type, checkpointing):  # fmt: skip
     """GA 1 < steps_per_generation 2, learning rate 0 (the batch's two steps at fixed parameters): the audited
-    gradients are the sums of the two steps' gradients, GRPO's and DPPO's."""
+    gradients are the sums of the two steps' gradients, GRPO's and DPPO's (also through the backward that
+    reentrant gradient checkpointing needs)."""
     common = dict(max_steps=2, beta=0.05, loss_type=loss_type, steps_per_generation=2, gradient_accumulation_steps=1,
                   learning_rate=0.0)  # fmt: skip
+    if checkpointing is not None:
+        common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
     _, grpo_grads = run(GRPOTrainer, GRPOConfig, tmp_path / "g", tiny_model_dir, train_dataset, **common)
     dppo, dppo_grads = run(AuditRecorder, DPPOConfig, tmp_path / "d", tiny_model_dir, train_dataset, audit_every=1,
                            **common)  # fmt: skip
@@ -203,9 +206,14 @@ def test_with_fewer_accumulation_steps_the_audit_sums_the_batchs_steps(tmp_path,
     assert_close_vectors(audit_dppo, dppo_grads[0] + dppo_grads[1])
 
 
-def test_training_with_the_audit_is_training_without_it(tmp_path, tiny_model_dir, train_dataset):
-    """Bit for bit: parameters, losses and every logged metric other than the audit's (GA < spg, KL, packing)."""
+@pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": False}, {"use_reentrant": True}])
+def test_training_with_the_audit_is_training_without_it(tmp_path, tiny_model_dir, train_dataset, checkpointing):
+    """Bit for bit: parameters, losses and every logged metric other than the audit's (GA < spg, KL, packing), also
+    under gradient checkpointing (reentrant checkpointing refuses ``torch.autograd.grad``: the audit's backward
+    goes into emptied ``.grad`` slots that are put back)."""
     common = dict(max_steps=4, beta=0.05, steps_per_generation=2, gradient_accumulation_steps=1)
+    if checkpointing is not None:
+        common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
     plain, _ = run(DPPOTrainer, DPPOConfig, tmp_path / "a", tiny_model_dir, train_dataset, **common)
     audited, _ = run(AuditRecorder, DPPOConfig, tmp_path / "b", tiny_model_dir, train_dataset, audit_every=1,
                      **common)  # fmt: skip
