@@ -16,9 +16,11 @@ pruning wired into its hooks.
 - ``_calculate_rewards``: remembers the rewards (zero-spread groups score 0; the ``zero_variance`` filter).
 - Prompt pruning: ``dppo_trl.prompt_hooks`` (the sampler, the schedule and progress bar that follow data
   progress in epoch-based runs, the sampler's state in checkpoints).
+- The gradient audit (``audit_every``): ``dppo_trl.audit_hooks`` (GRPO's and DPPO's gradients of an audited
+  generation batch at the same parameters, sketched and compared, training untouched).
 
-The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing``, ``dppo_trl.prompts``, ``dppo_trl.metrics`` and
-``dppo_trl.batch``; with
+The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing``, ``dppo_trl.prompts``, ``dppo_trl.metrics``,
+``dppo_trl.audit`` and ``dppo_trl.batch``; with
 ``completion_keep_rate=1.0``, ``prompt_keep_rate=1.0`` and ``packing=False`` every hook is TRL's own.
 """
 

@@ -23,7 +23,6 @@ from dppo_trl.audit import (
     student_t_two_sided_p,
 )
 from dppo_trl.estimator import SUPPORTED_LOSS_TYPES
-from dppo_trl.pruning import adaptive_keep_rate
 
 # ---------------------------------------------------------------- the math
 
@@ -251,7 +250,6 @@ def test_the_measured_error_source_uses_earlier_audits_only(tmp_path, tiny_model
         assert seen == ratios[:b]
         assert scale == measured_error_scale(ratios[:b])
     assert trainer.scales[0][1] == 1.0 and trainer.scales[-1][1] != 1.0
-    assert adaptive_keep_rate  # the rate itself is pruning.adaptive_keep_rate at that target (test_trainer.py)
 
 
 # ---------------------------------------------------------------- the bias statistic on a tiny model

@@ -25,7 +25,9 @@ HERE = Path(__file__).resolve().parent
 MODES = ["token_truncate", "sequence_truncate", "sequence_mask", "token_mask"]
 SCENARIOS = {
     "grpo": dict(trainer="grpo", max_steps=8, modes=MODES),
-    "dppo_keep_all": dict(trainer="dppo", max_steps=8, modes=MODES, dppo=dict(completion_keep_rate=1.0, packing=True)),
+    # Every batch audited too (the audit leaves training as it is: tests/test_audit.py).
+    "dppo_keep_all": dict(trainer="dppo", max_steps=8, modes=MODES,
+                          dppo=dict(completion_keep_rate=1.0, packing=True, audit_every=1)),
     # Batches 0-3 as above; batch 4 keeps nothing (a constant reward); batch 5 trains (steps 11 and 12).
     "dppo_keep_half": dict(trainer="dppo", max_steps=12, modes=MODES + ["token_truncate"] * 2,
                            constant_reward_batches=[4], trained_steps=[11, 12], dppo=dict(completion_keep_rate=0.5)),
@@ -89,6 +91,17 @@ def test_keep_all_with_packing_gives_grpos_gradient_ratios_and_metrics(runs):
     for g, d in zip(generation_logs(grpo), generation_logs(dppo)):
         for key in SAMPLING_KEYS:
             assert d[key] == pytest.approx(g[key], rel=PACKED["rtol"], abs=PACKED["atol"]), key
+
+
+def test_the_audit_of_a_vllm_run_gives_grpos_and_dppos_batch_gradients(runs):
+    """Every batch of the keep-all run audited: its GRPO gradient (every row's old-policy pass and IS ratio rebuilt,
+    in each IS mode, TRL's padded passes) is GRPOTrainer's batch gradient, its DPPO gradient DPPO's own."""
+    grpo, dppo = runs["grpo"], runs["dppo_keep_all"]
+    assert len(dppo["audits"]) == COMPARED
+    pairs = zip(dppo["audits"], batch_gradients(grpo, COMPARED), batch_gradients(dppo, COMPARED))
+    for (audit_dppo, audit_grpo), g, d in pairs:
+        assert float((audit_grpo - g).norm() / g.norm()) < 1e-5  # float64 vs float32 sums of the same gradients
+        assert float((audit_dppo - d).norm() / d.norm()) < 1e-5
 
 
 def test_kept_rows_get_grpos_old_logprobs_and_ratio_in_every_mode(runs):

@@ -10,7 +10,7 @@ is 0 in the others, so parameters, and with them vLLM's samples, stay the same f
 generation batch, and the batches whose reward is constant. It saves, with torch.save: per generation batch, what
 the trainer built (samples, vLLM's and the trainer's log-probs, TRL's IS ratio, DPPO's keep mask and weights); per
 optimizer step, the LoRA gradient the optimizer received (float64) and the rows of the passes without autograd;
-the logs; the LoRA and base parameters before and after.
+the logs; the LoRA and base parameters before and after; with `audit_every`, each audit's two gradients.
 """
 
 import json
@@ -51,6 +51,10 @@ class Recording:
         self.records.append(record)
         return out
 
+    def _record_audit(self, dppo, grpo, seconds):  # DPPO with audit_every: each audit's two gradients
+        self.audits.append((dppo.clone(), grpo.clone()))
+        super()._record_audit(dppo, grpo, seconds)
+
 
 def lora_gradient(trainer):
     import torch
@@ -90,7 +94,7 @@ def run(scenario: dict) -> None:
     torch.manual_seed(0)  # the LoRA A matrices' initialization
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = trainer_cls(str(ensure()), spread_reward, args=args, train_dataset=data, peft_config=lora)
-    trainer.records = []
+    trainer.records, trainer.audits = [], []
     counter = count_logprob_rows(trainer)
     steps = []
     trained = set(scenario.get("trained_steps", []))
@@ -106,7 +110,7 @@ def run(scenario: dict) -> None:
     params = lambda: {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}  # noqa: E731
     before = params()
     trainer.train()
-    torch.save({"records": trainer.records, "steps": steps, "logs": trainer.state.log_history, "before": before,
+    torch.save({"records": trainer.records, "audits": trainer.audits, "steps": steps, "logs": trainer.state.log_history, "before": before,
                 "after": params(), "no_grad_rows": counter["no_grad_rows"]}, scenario["out"])  # fmt: skip
 
 
