@@ -7,6 +7,7 @@ logged metrics and the loss state are restored. The math is in ``dppo_trl.audit`
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 
@@ -178,6 +179,26 @@ class GradientAuditHooks:
         cosine = f"{statistics.median(records['cosine']):.3f}" if records["cosine"] else "n/a"
         worst = f"{max(records['bias_z']):.2f}" if records["bias_z"] else "n/a"
         return f"audits {self._audit_moments.count}, median cosine {cosine}, worst bias z {worst}"
+
+    _AUDIT_STATE_FILE = "dppo_audit.pt"
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.audit_every and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            moments = self._audit_moments
+            torch.save({"records": self._audit_records(), "count": moments.count, "mean": moments.mean,
+                        "m2": moments.m2}, os.path.join(folder, self._AUDIT_STATE_FILE))  # fmt: skip
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """A resumed run goes on with the audit history (the bias statistic, the measured/model ratios that
+        ``adaptive_keep_error_source='audit'`` reads) where the checkpoint left it."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, self._AUDIT_STATE_FILE) if checkpoint else None
+        if self.args.audit_every and path and os.path.exists(path):
+            state = torch.load(path, weights_only=True)
+            self._audit_log = state["records"]
+            self._audit_moments = RunningMoments(state["count"], state["mean"], state["m2"])
 
     def _audit_rng_devices(self) -> list:
         return [self.accelerator.device] if self.accelerator.device.type == "cuda" else []

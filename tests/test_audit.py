@@ -274,3 +274,23 @@ def test_bias_z_stays_within_noise_for_unbiased_designs_and_grows_for_topk(tmp_p
     z = bias_z(trainer._audit_moments)
     assert trainer._audit_moments.count == 150 and trainer._audit_sketch.exact
     assert (z > 4.0) if biased else (z < 4.0), z
+
+
+def test_a_resumed_run_goes_on_with_the_audit_history(tmp_path, tiny_model_dir, train_dataset):
+    """Killed after 3 of 6 steps and resumed: the same audits, bias statistic and measured-error scales (hence
+    keep rates, with adaptive_keep_error_source='audit') as the uninterrupted run."""
+    from conftest import StopAt
+
+    settings = dict(max_steps=6, audit_every=1, steps_per_generation=1, gradient_accumulation_steps=1,
+                    adaptive_keep_error=0.5, adaptive_keep_error_source="audit", save_strategy="steps", save_steps=3)
+    whole, _ = run(AuditRecorder, DPPOConfig, tmp_path / "whole", tiny_model_dir, train_dataset, **settings)
+    args = cpu_config(tmp_path / "split", max_grad_norm=0.0, **settings)
+    first = AuditRecorder(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, callbacks=[StopAt(3)])
+    first.train()
+    second = AuditRecorder(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    second.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-3"))
+    assert second._audit_moments.count == whole._audit_moments.count == 6
+    torch.testing.assert_close(second._audit_moments.mean, whole._audit_moments.mean, rtol=1e-5, atol=1e-9)
+    for key in ("cosine", "ratio", "bias_z"):
+        assert second._audit_records()[key] == pytest.approx(whole._audit_records()[key], rel=1e-5), key
+    assert [s for _, s in first.scales + second.scales] == pytest.approx([s for _, s in whole.scales], rel=1e-5)
