@@ -104,7 +104,8 @@ bench-real-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm --json benchmarks/results/bench_real_vllm.json \
 		--plots docs/images
 
-# The gradient audit on the real model: stratified vs topk, every batch audited, 24 steps, 1 seed (about 25 min here).
+# The gradient audit on the real model: stratified (keep 0.5, 0.25) vs topk (0.25), every batch audited, 24 steps,
+# 1 seed (about 36 min here).
 bench-audit: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py
 

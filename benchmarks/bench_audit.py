@@ -1,15 +1,16 @@
 """The online gradient audit on the real model: SmolLM2-135M-Instruct (`dppo-trl-smollm2`) with LoRA on reasoning-gym's
-chain_sum (bench_real.py's setup: 4 prompts x 8 completions a step, dapo, beta 0, learning rate 2e-4), DPPO at keep
-0.5 with an unbiased design (stratified, the default) and with CPPO's biased topk, every generation batch audited
-(``audit_every=1``), training as usual in between.
+chain_sum (bench_real.py's setup: 4 prompts x 8 completions a step, dapo, beta 0, learning rate 2e-4), DPPO with an
+unbiased design (stratified, the default) at keep 0.5 (the default) and 0.25, and with CPPO's biased topk at 0.25,
+every generation batch audited (``audit_every=1``), training as usual in between. (On this task about half the
+rows have A = 0, so at keep 0.5 both designs keep nearly every row that counts; 0.25 makes them prune.)
 
 Per design and seed it reports the audit's readings: the median cosine of DPPO's and GRPO's gradients of the same
 batch, the mean measured relative error against the mean model-based ``dppo/pruning_error`` (and their median
 ratio, ``dppo/audit_noise_to_signal``), the final bias z (Bonferroni-corrected over the directions), and what the
 audit cost (its seconds over the rest of the step's).
 
-    make bench-audit                                        # 2 designs x 1 seed x 24 steps (about 25 min here)
-    python benchmarks/bench_audit.py --steps 4 --seeds 0 --designs stratified
+    make bench-audit                                        # 3 runs x 1 seed x 24 steps (about 36 min here)
+    python benchmarks/bench_audit.py --steps 4 --seeds 0 --runs stratified@0.25
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_real import prepare_setup  # noqa: E402
 
 
-def audit_run(design: str, seed: int, setup: dict) -> dict:
-    """Train DPPO with ``design`` and every batch audited; return each audit's readings and the run's timing."""
+def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
+    """Train DPPO with ``design`` at ``keep_rate``, every batch audited; return each audit's readings and timing."""
     from dppo_trl import DPPOConfig, DPPOTrainer
+    from dppo_trl.audit import compare_gradients
 
     class Recorded(DPPOTrainer):
         def _record_audit(self, dppo, grpo, seconds):
@@ -44,12 +46,18 @@ def audit_run(design: str, seed: int, setup: dict) -> dict:
             records = self._audit_records()
             new = {k: records[k][before[k]] if len(records[k]) > before[k] else None for k in records}
             model_error = None if self._prune_summary is None else self._prune_summary[1]
+            compared = compare_gradients(dppo, grpo)  # None: GRPO's gradient is 0 (every group's rewards equal)
             self.__dict__.setdefault("audits", []).append({**new, "model_error": model_error, "seconds": seconds,
-                                                           "rel_error": float((dppo - grpo).norm() / grpo.norm())})
+                                                           "rel_error": compared and compared["rel_error"]})
+
+        def _draw_keep_mask(self, output, scores):
+            keep, weights, pi = super()._draw_keep_mask(output, scores)
+            self.__dict__.setdefault("kept_fractions", []).append(float(keep.float().mean()))
+            return keep, weights, pi
 
     args = DPPOConfig(output_dir=tempfile.mkdtemp(prefix="dppo-audit-"), report_to=[], save_strategy="no",
                       gradient_checkpointing=False, disable_tqdm=True, logging_steps=10**6, seed=seed,
-                      max_steps=setup["steps"], completion_keep_rate=0.5, prune_sampling=design, audit_every=1,
+                      max_steps=setup["steps"], completion_keep_rate=keep_rate, prune_sampling=design, audit_every=1,
                       **setup["trainer_args"])  # fmt: skip
     trainer = Recorded(setup["model_dir"], setup["reward_funcs"], args=args, train_dataset=setup["train_dataset"],
                        **setup["trainer_kwargs"])  # fmt: skip
@@ -61,7 +69,9 @@ def audit_run(design: str, seed: int, setup: dict) -> dict:
     audit_seconds = sum(a["seconds"] for a in audits)
     return {
         "design": design,
+        "keep_rate": keep_rate,
         "seed": seed,
+        "kept_fraction": statistics.mean(trainer.kept_fractions),
         "steps": trainer.state.global_step,
         "wall_s": wall,
         "audit_s": audit_seconds,
@@ -76,12 +86,15 @@ def summary(run: dict) -> dict:
     cosines = [a["cosine"] for a in audits if a["cosine"] is not None]
     ratios = [a["ratio"] for a in audits if a["ratio"] is not None]
     model = [a["model_error"] for a in audits if a["model_error"]]
+    errors = [a["rel_error"] for a in audits if a["rel_error"] is not None]
     return {
         "design": run["design"],
+        "keep_rate": run["keep_rate"],
         "seed": run["seed"],
+        "kept_fraction": run["kept_fraction"],
         "audits": len(audits),
         "median_cosine": statistics.median(cosines) if cosines else None,
-        "mean_rel_error": statistics.mean(a["rel_error"] for a in audits),
+        "mean_rel_error": statistics.mean(errors) if errors else None,
         "mean_model_error": statistics.mean(model) if model else None,
         "median_noise_to_signal": statistics.median(ratios) if ratios else None,
         "final_bias_z": run["final_bias_z"],
@@ -98,7 +111,8 @@ def fmt(x, spec=".3f"):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--designs", nargs="+", default=["stratified", "topk"])
+    parser.add_argument("--runs", nargs="+", default=["stratified@0.5", "stratified@0.25", "topk@0.25"],
+                        help="DESIGN@KEEP_RATE of each run")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step (x 8 completions)")
@@ -112,13 +126,15 @@ def main(argv=None):
                                     vllm=False)  # fmt: skip
     setup = prepare_setup(setup_args)
     start = time.perf_counter()
-    runs = [audit_run(design, seed, setup) for seed in a.seeds for design in a.designs]
+    specs = [(spec.split("@")[0], float(spec.split("@")[1])) for spec in a.runs]
+    runs = [audit_run(design, keep, seed, setup) for seed in a.seeds for design, keep in specs]
     rows = [summary(run) for run in runs]
-    print("| design | seed | audits | median cosine | mean rel. error | mean model error | median measured/model "
-          "| final bias z | max bias z | audit time / rest |")
-    print("|---" * 10 + "|")
+    print("| design | keep rate | kept | seed | audits | median cosine | mean rel. error | mean model error "
+          "| median measured/model | final bias z | max bias z | audit time / rest |")
+    print("|---" * 12 + "|")
     for r in rows:
-        print(f"| {r['design']} | {r['seed']} | {r['audits']} | {fmt(r['median_cosine'])} | {fmt(r['mean_rel_error'])} "
+        print(f"| {r['design']} | {r['keep_rate']} | {r['kept_fraction']:.3f} | {r['seed']} | {r['audits']} "
+              f"| {fmt(r['median_cosine'])} | {fmt(r['mean_rel_error'])} "
               f"| {fmt(r['mean_model_error'])} | {fmt(r['median_noise_to_signal'], '.2f')} "
               f"| {fmt(r['final_bias_z'], '.2f')} | {fmt(r['max_bias_z'], '.2f')} | {fmt(r['audit_share'], '.2f')} |")
     result = {"config": vars(a), "elapsed_s": time.perf_counter() - start, "rows": rows, "runs": runs}

@@ -118,7 +118,7 @@ def rows(name: str, data: dict) -> dict[str, dict]:
     elif name == "bench_train":
         out.update({r["variant"]: r for r in data["results"]})
     elif name == "bench_audit":
-        out.update({f"{r['design']}/{r['seed']}": r for r in data["rows"]})
+        out.update({f"{r['design']}@{r['keep_rate']}/{r['seed']}": r for r in data["rows"]})
     return out
 
 
@@ -424,9 +424,11 @@ def audit_table(data: dict) -> str:
     def cell(x, spec=".3f"):
         return "-" if x is None else format(x, spec)
 
-    header = ["design", "seed", "audits", "median cosine", "mean measured rel. error", "mean model-based error",
-              "median measured / model", "final bias z", "largest bias z", "audit time / rest of the run"]
-    body = [[f"`{r['design']}`", str(r["seed"]), str(r["audits"]), cell(r["median_cosine"]),
+    header = ["design", "keep rate", "kept", "seed", "audits", "median cosine", "mean measured rel. error",
+              "mean model-based error", "median measured / model", "final bias z", "largest bias z",
+              "audit time / rest of the run"]  # fmt: skip
+    body = [[f"`{r['design']}`", str(r["keep_rate"]), cell(r["kept_fraction"], ".2f"), str(r["seed"]),
+             str(r["audits"]), cell(r["median_cosine"]),
              cell(r["mean_rel_error"]), cell(r["mean_model_error"]), cell(r["median_noise_to_signal"], ".2f"),
              cell(r["final_bias_z"], ".2f"), cell(r["max_bias_z"], ".2f"), cell(r["audit_share"], ".2f")]
             for r in data["rows"]]  # fmt: skip
