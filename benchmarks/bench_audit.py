@@ -9,7 +9,7 @@ batch, the mean measured relative error against the mean model-based ``dppo/prun
 ratio, ``dppo/audit_noise_to_signal``), the final bias z (Bonferroni-corrected over the directions), and what the
 audit cost (its seconds over the rest of the step's).
 
-    make bench-audit                                        # 3 runs x 1 seed x 24 steps (about 36 min here)
+    make bench-audit                                        # the real model (33 min here), then countdown (7 min)
     python benchmarks/bench_audit.py --steps 4 --seeds 0 --runs stratified@0.25
 """
 
@@ -31,7 +31,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_real import prepare_setup  # noqa: E402
+import bench_reasoning  # noqa: E402
+import bench_real  # noqa: E402
 
 
 def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
@@ -85,8 +86,10 @@ def summary(run: dict) -> dict:
     audits = run["audits"]
     cosines = [a["cosine"] for a in audits if a["cosine"] is not None]
     ratios = [a["ratio"] for a in audits if a["ratio"] is not None]
-    model = [a["model_error"] for a in audits if a["model_error"]]
-    errors = [a["rel_error"] for a in audits if a["rel_error"] is not None]
+    # Measured and model-based errors over the same batches (those with both; topk has no model-based error).
+    paired = [a for a in audits if a["rel_error"] is not None and a["model_error"] is not None]
+    errors = [a["rel_error"] for a in (paired or audits) if a["rel_error"] is not None]
+    model = [a["model_error"] for a in paired]
     return {
         "design": run["design"],
         "keep_rate": run["keep_rate"],
@@ -105,6 +108,24 @@ def summary(run: dict) -> dict:
     }
 
 
+def real_setup(a) -> dict:
+    """bench_real.py's SmolLM2 + LoRA setup on chain_sum."""
+    return bench_real.prepare_setup(argparse.Namespace(
+        task="chain_sum", answer_format="last_number", task_seed=0, train_prompts=32, heldout=1, eval_every=10**6,
+        steps=a.steps, prompts_per_step=a.prompts_per_step, max_completion_length=a.max_completion_length,
+        learning_rate=2e-4, vllm=False))  # fmt: skip
+
+
+def countdown_setup(a) -> dict:
+    """bench_reasoning.py's countdown setup (its warm-started 0.3M-parameter Qwen2, TRL's defaults with GA 2 <
+    steps_per_generation 4), trained for ``a.steps`` optimizer steps."""
+    setup = bench_reasoning.prepare_setup(argparse.Namespace(
+        train_prompts=256, heldout=1, eval_samples=1, eval_every=10**6, epochs=None, batch_size=32,
+        gradient_accumulation_steps=2, steps_per_generation=4, learning_rate=1e-4, sft_steps=300, hidden_size=128,
+        layers=2, model_cache="outputs/bench-reasoning"))  # fmt: skip
+    return dict(setup, steps=a.steps, trainer_kwargs={})
+
+
 def fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
@@ -117,17 +138,21 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step (x 8 completions)")
     parser.add_argument("--max-completion-length", type=int, default=16)
+    parser.add_argument("--task", default="chain_sum", choices=["chain_sum", "countdown"],
+                        help="chain_sum: bench_real's real model; countdown: bench_reasoning's warm-started tiny Qwen2")
     parser.add_argument("--json", default="benchmarks/results/bench_audit.json")
+    parser.add_argument("--from-json", default=None, help="train nothing: summarize the runs of a saved JSON")
     a = parser.parse_args(argv)
     torch.set_num_threads(2)
-    setup_args = argparse.Namespace(task="chain_sum", answer_format="last_number", task_seed=0, train_prompts=32,
-                                    heldout=1, eval_every=10**6, steps=a.steps, prompts_per_step=a.prompts_per_step,
-                                    max_completion_length=a.max_completion_length, learning_rate=2e-4,
-                                    vllm=False)  # fmt: skip
-    setup = prepare_setup(setup_args)
-    start = time.perf_counter()
-    specs = [(spec.split("@")[0], float(spec.split("@")[1])) for spec in a.runs]
-    runs = [audit_run(design, keep, seed, setup) for seed in a.seeds for design, keep in specs]
+    if a.from_json:
+        saved = json.loads(Path(a.from_json).read_text())
+        runs, elapsed, config = saved["runs"], saved["elapsed_s"], saved["config"]
+    else:
+        setup = real_setup(a) if a.task == "chain_sum" else countdown_setup(a)
+        start = time.perf_counter()
+        specs = [(spec.split("@")[0], float(spec.split("@")[1])) for spec in a.runs]
+        runs = [audit_run(design, keep, seed, setup) for seed in a.seeds for design, keep in specs]
+        elapsed, config = time.perf_counter() - start, vars(a)
     rows = [summary(run) for run in runs]
     print("| design | keep rate | kept | seed | audits | median cosine | mean rel. error | mean model error "
           "| median measured/model | final bias z | max bias z | audit time / rest |")
@@ -137,7 +162,7 @@ def main(argv=None):
               f"| {fmt(r['median_cosine'])} | {fmt(r['mean_rel_error'])} "
               f"| {fmt(r['mean_model_error'])} | {fmt(r['median_noise_to_signal'], '.2f')} "
               f"| {fmt(r['final_bias_z'], '.2f')} | {fmt(r['max_bias_z'], '.2f')} | {fmt(r['audit_share'], '.2f')} |")
-    result = {"config": vars(a), "elapsed_s": time.perf_counter() - start, "rows": rows, "runs": runs}
+    result = {"config": config, "elapsed_s": elapsed, "rows": rows, "runs": runs}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {a.json}")

@@ -117,7 +117,7 @@ def rows(name: str, data: dict) -> dict[str, dict]:
         out.update({f"{r['world']}/{r['keep_rate']}": r for r in data["results"]})
     elif name == "bench_train":
         out.update({r["variant"]: r for r in data["results"]})
-    elif name == "bench_audit":
+    elif name.startswith("bench_audit"):
         out.update({f"{r['design']}@{r['keep_rate']}/{r['seed']}": r for r in data["rows"]})
     return out
 
@@ -420,7 +420,7 @@ def real_table(data: dict) -> str:
 
 
 def audit_table(data: dict) -> str:
-    """bench_audit.json: each design's audit readings on the real model."""
+    """bench_audit*.json: each run's audit readings (design, keep rate, seed)."""
     def cell(x, spec=".3f"):
         return "-" if x is None else format(x, spec)
 
@@ -459,6 +459,7 @@ TABLES = {  # block name -> (results file, function of its JSON)
     "bench_real": ("bench_real", real_table),
     "bench_real_vllm": ("bench_real_vllm", real_table),
     "bench_audit": ("bench_audit", audit_table),
+    "bench_audit_countdown": ("bench_audit_countdown", audit_table),
 }
 
 
