@@ -148,5 +148,5 @@ def test_the_command_line_trains_it_from_the_bundled_recipe(tmp_path, smollm2_di
                          cwd=tmp_path, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "DPPO summary" in run.stdout + run.stderr
-    assert "'dppo/audit_cosine'" in run.stdout + run.stderr and "audits 1, median cosine" in run.stdout
+    assert "audits 1, median cosine" in run.stdout  # the summary line: the audit ran
     assert (out / "adapter_model.safetensors").is_file()
