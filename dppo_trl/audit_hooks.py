@@ -174,7 +174,7 @@ class GradientAuditHooks:
     def _audit_summary(self) -> str | None:
         """``audits N, median cosine C, worst bias z Z`` for the summary line; None without audits."""
         records = self._audit_records()
-        if not records["cosine"] and not records["bias_z"]:
+        if self._audit_moments.count == 0:  # counts an audit whose GRPO gradient was 0 too (no cosine then)
             return None
         cosine = f"{statistics.median(records['cosine']):.3f}" if records["cosine"] else "n/a"
         worst = f"{max(records['bias_z']):.2f}" if records["bias_z"] else "n/a"
