@@ -112,6 +112,7 @@ def training_phase(trainer, batch, kind):
         keep, weights, _ = trainer._draw_keep_mask(batch, batch["advantages"].abs())
         trainer._run_deferred_logps(batch, [trainer.ref_model], keep)
         batch["dppo_keep"], batch["dppo_weight"] = keep, weights.float()
+        batch.update(trainer._trl_split_of_rows(batch))
         microbatches = trainer._kept_microbatches(shuffle_sequence_dict(batch))
         kept_real = float(lengths[keep].sum())
         real = 2 * kept_real

@@ -66,3 +66,42 @@ def pad_to_width(batch: dict, key: str, prompt_width: int, completion_width: int
     if value.dim() > 1 and value.size(1) == batch["completion_ids"].size(1) and not sequence_ratio:
         return torch.nn.functional.pad(value, (0, completion_width - value.size(1)), value=fill)
     return value
+
+
+def trl_microbatch_of_rows(permutation: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+    """Which of TRL's micro-batches each row lands in: TRL's shuffle puts row ``permutation[i]`` at position ``i``
+    (``shuffle_sequence_dict``), and its split cuts the positions into ``num_microbatches`` consecutive chunks of
+    ``B // num_microbatches`` (``split_tensor_dict``, which drops the remainder: -1 there).
+
+    Args:
+        permutation: (B,) long, the shuffle's permutation of the rows.
+        num_microbatches: TRL's ``steps_per_generation``.
+
+    Returns:
+        (B,) long: each row's micro-batch index, in the rows' own (unshuffled) order.
+    """
+    rows = permutation.numel()
+    size = rows // num_microbatches
+    chunk = torch.arange(rows) // max(size, 1)
+    chunk[size * num_microbatches :] = -1
+    out = torch.empty(rows, dtype=torch.long)
+    out[permutation.cpu()] = chunk
+    return out
+
+
+def microbatch_token_counts(microbatch: torch.Tensor, loss_tokens: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+    """Each row's micro-batch's loss-token count (0 for a row in none, ``microbatch == -1``).
+
+    Args:
+        microbatch: (B,) long, each row's micro-batch index (``trl_microbatch_of_rows``).
+        loss_tokens: (B,) each row's loss tokens.
+        num_microbatches: how many micro-batches there are.
+
+    Returns:
+        (B,) float64.
+    """
+    slot = torch.where(microbatch >= 0, microbatch, num_microbatches).cpu()
+    totals = torch.zeros(num_microbatches + 1, dtype=torch.float64)
+    totals.index_add_(0, slot, loss_tokens.detach().cpu().to(torch.float64))
+    totals[num_microbatches] = 0.0
+    return totals[slot]

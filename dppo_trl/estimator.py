@@ -126,3 +126,20 @@ def prompt_weighted_token_count(loss_tokens: torch.Tensor, prompt_weights: torch
     Its mean over an epoch's batches, divided by ``D``, estimates ``E[T_B] / D``, the scale of the planned
     normalizer (logged as ``dppo/prompt_token_scale``)."""
     return float((loss_tokens.to(torch.float64) * prompt_weights.to(torch.float64)).sum())
+
+
+def trl_microbatch_token_scale(trl_microbatch_tokens: torch.Tensor, mean_microbatch_tokens: float) -> torch.Tensor:
+    """Per row, ``mean / T_n``: TRL normalizes ``bnpo``'s loss and the entropy bonus by the loss tokens ``T_n`` of
+    the micro-batch the row is in (its rank's share of its random split, at least 1); DPPO's full-batch
+    normalizer is the mean micro-batch's count. Scaling row ``n``'s term by this factor makes it TRL's, wherever
+    the row trains. ``T_n`` is counted over every row of that micro-batch, kept or not, before the keep draw, so
+    the Horvitz-Thompson sum over the kept rows stays unbiased.
+
+    Args:
+        trl_microbatch_tokens: (B,) each row's TRL micro-batch's loss-token count.
+        mean_microbatch_tokens: the generation batch's loss tokens per rank and micro-batch.
+
+    Returns:
+        (B,) float64.
+    """
+    return mean_microbatch_tokens / trl_microbatch_tokens.detach().to(torch.float64).clamp(min=1.0)

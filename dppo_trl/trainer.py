@@ -38,7 +38,15 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
 from .audit_hooks import GradientAuditHooks
-from .batch import filler_row, loss_mask, pad_to_width, select_rows, with_fillers
+from .batch import (
+    filler_row,
+    loss_mask,
+    microbatch_token_counts,
+    pad_to_width,
+    select_rows,
+    trl_microbatch_of_rows,
+    with_fillers,
+)
 from .callbacks import DataProgressBarCallback, DPPOSummaryCallback
 from .config import DPPOConfig, as_dppo_config
 from .estimator import (
@@ -47,6 +55,7 @@ from .estimator import (
     full_batch_normalizer,
     horvitz_thompson_weights,
     trl_microbatch_normalizer,
+    trl_microbatch_token_scale,
 )
 from .metrics import SAMPLING_METRICS, drop_last_entry, ratio, weighted_mean_stats, weighted_quantile
 from .packing import (
@@ -80,7 +89,6 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
     batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
 
     _tag_names = ["trl", "grpo", "dppo"]
-    _loss_row_weights: torch.Tensor | None = None  # rows' weights while DPPO's loss runs (the entropy filter)
 
     def __init__(
         self,
@@ -124,6 +132,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         self._captured_logps: list | None = None
         self._compute_aux_loss = False  # the MoE router loss of the loss pass, computed beside TRL's
         self._last_entropy_mask: torch.Tensor | None = None
+        self._loss_row_weights: torch.Tensor | None = None  # rows' weights while DPPO's loss runs (entropy filter)
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
         self._widths_per_rank: list[int] = []
@@ -220,6 +229,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         local, device = self._local(output["advantages"].size(0)), output["advantages"].device
         output["dppo_keep"], output["dppo_weight"] = keep[local].to(device), weights[local].to(device)
         audit_rows = dict(output) if self._audit_this_batch() else None  # this rank's rows before any exchange
+        output.update(self._trl_split_of_rows(output))
         output = self._balance_ranks(output)
         self._run_deferred_logps(output, calls, output["dppo_keep"])
         if audit_rows is not None:
@@ -245,8 +255,12 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
             return super()._compute_loss(model, inputs)
         inputs = dict(inputs)
         weight = inputs.pop("dppo_weight")
+        norm_args = self._normalizer_args(inputs)
+        full_z = full_batch_normalizer(self.loss_type, self.args.per_device_train_batch_size, **norm_args)
+        per_microbatch = self._trl_microbatch_scale(inputs.pop("dppo_trl_microbatch_tokens"), norm_args)
+        policy_weight = weight * per_microbatch if self.loss_type == "bnpo" else weight
         advantages = inputs["advantages"]
-        row_weight = weight.to(advantages.dtype)
+        row_weight = policy_weight.to(advantages.dtype)
         # Every TRL loss_type is positively homogeneous in A per row (clipping, SAPO/VESPO gates depend on
         # sign(A) only), so A * w scales the row's policy term by w exactly, in value and gradient.
         inputs["advantages"] = advantages * (row_weight if advantages.dim() == 1 else row_weight.unsqueeze(1))
@@ -261,28 +275,40 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
             self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = beta, bonus, self._compute_aux_loss
             captured, self._captured_logps, self._loss_row_weights = self._captured_logps, None, None
         mask = loss_mask(inputs)
-        norm_args = dict(
+        trl_z = trl_microbatch_normalizer(self.loss_type, mask.size(0), float(mask.sum()), **norm_args)
+        loss = loss * (trl_z / full_z)
+        logps, entropies, aux_loss = captured[0]
+        if beta != 0.0:
+            loss = loss + beta * self._weighted_kl(logps, inputs, mask, weight, policy_weight) / full_z
+        if bonus:
+            self._log_policy_loss(loss)
+            tokens = full_batch_normalizer("dapo", 1, **norm_args)
+            loss = loss - self._weighted_entropy_bonus(entropies, mask, weight, per_microbatch / tokens)
+        if self.aux_loss_enabled:  # a regularizer of the rows forwarded, as GRPO's is of its micro-batch
+            loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
+            self._metrics["train"]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
+        self._log_weighted_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
+        return loss
+
+    def _normalizer_args(self, inputs) -> dict:
+        """What ``full_batch_normalizer`` and ``trl_microbatch_normalizer`` need beyond the loss type and rows."""
+        return dict(
             max_completion_length=self.max_completion_length,
             loss_tokens_in_generation_batch=float(inputs["num_items_in_batch"]),
             num_processes=self.accelerator.num_processes,
             steps_per_generation=self.args.steps_per_generation,
             accumulation_steps=self.current_gradient_accumulation_steps,
         )
-        full_z = full_batch_normalizer(self.loss_type, self.args.per_device_train_batch_size, **norm_args)
-        trl_z = trl_microbatch_normalizer(self.loss_type, mask.size(0), float(mask.sum()), **norm_args)
-        loss = loss * (trl_z / full_z)
-        logps, entropies, aux_loss = captured[0]
-        if beta != 0.0:
-            loss = loss + beta * self._weighted_kl(logps, inputs, mask, weight) / full_z
-        if bonus:
-            self._log_policy_loss(loss)
-            tokens = full_batch_normalizer("dapo", 1, **norm_args)
-            loss = loss - self._weighted_entropy_bonus(entropies, mask, weight, tokens)
-        if self.aux_loss_enabled:  # a regularizer of the rows forwarded, as GRPO's is of its micro-batch
-            loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
-            self._metrics["train"]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
-        self._log_weighted_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
-        return loss
+
+    def _trl_microbatch_scale(self, trl_microbatch_tokens, norm_args) -> torch.Tensor:
+        """Per row, the factor that turns the token normalizer of a full-batch-mean micro-batch into the one of the
+        row's own micro-batch in TRL's random split (``estimator.trl_microbatch_token_scale``): what ``bnpo`` and
+        the entropy bonus divide by in TRL. 1 under prompt pruning, whose token count is planned (the batch GRPO
+        would have drawn is never generated)."""
+        if self.args.prompt_pruning:
+            return torch.ones_like(trl_microbatch_tokens)
+        mean = full_batch_normalizer("dapo", 1, **norm_args) / norm_args["accumulation_steps"]
+        return trl_microbatch_token_scale(trl_microbatch_tokens, mean)
 
     def _log_policy_loss(self, loss) -> None:
         """TRL's ``policy_loss`` metric (the loss before the entropy bonus, on TRL's scale: before the division by
@@ -292,18 +318,20 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         policy_loss = (loss.detach() * scale).reshape(1)
         self._metrics["train"]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
 
-    def _weighted_entropy_bonus(self, entropies, mask, weight, full_batch_tokens) -> torch.Tensor:
-        """TRL's entropy bonus ``coef x`` token-mean entropy over the tokens it acts on, as a Horvitz-Thompson sum
-        over the kept rows' tokens over the full batch's count of those tokens: the loss tokens, or under the
-        entropy filter the loss tokens times the weighted fraction of this micro-batch's tokens (all ranks) that
-        the filter keeps, TRL's count of filtered tokens when every row is kept on one process (a ratio estimate
-        under pruning). The adaptive controller (TRL's rule and state) measures the weighted window entropy."""
+    def _weighted_entropy_bonus(self, entropies, mask, weight, per_row_normalizer) -> torch.Tensor:
+        """TRL's entropy bonus ``coef x`` token-mean entropy over the tokens it acts on, in TRL's micro-batches, as
+        a Horvitz-Thompson sum over the kept rows: each row's tokens over the loss tokens of the row's micro-batch
+        in TRL's split (``1 / per_row_normalizer``, counted before the keep draw, so unbiased); under the entropy
+        filter (where micro-batches are TRL's split) over the weighted count of this micro-batch's filtered tokens,
+        TRL's count when every row is kept (a ratio estimate under pruning). The adaptive controller (TRL's rule
+        and state) measures the weighted window entropy."""
         effective = mask if self._last_entropy_mask is None else mask * self._last_entropy_mask
         weighted = effective * weight.to(entropies.dtype).unsqueeze(1)
-        if self._last_entropy_mask is not None:
-            counts = torch.stack([weighted.sum(), (mask * weight.unsqueeze(1)).to(weighted.dtype).sum()]).detach()
-            counts = self.accelerator.reduce(counts.double(), reduction="sum")
-            full_batch_tokens = full_batch_tokens * float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
+        if self._last_entropy_mask is None:
+            normalized = weighted * per_row_normalizer.to(entropies.dtype).unsqueeze(1)
+        else:
+            count = max(float(weighted.detach().sum()), 1.0)  # TRL clamps its count at 1 too
+            normalized = weighted / (count * self.current_gradient_accumulation_steps)
         apply_coef = self.entropy_coef
         if self.use_adaptive_entropy:  # the coefficient of the previous step's end, for the whole window
             apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
@@ -325,17 +353,20 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
                 self._last_world_entropy, self._entropy_window_stats = world, None
         if self.accelerator.sync_gradients:
             self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
-        return apply_coef * (entropies * weighted).sum() / max(full_batch_tokens, 1e-12)
+        return apply_coef * (entropies * normalized).sum()
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
-        """TRL's entropy filter; on DPPO's training path the quantile is the Horvitz-Thompson-weighted quantile of
-        the kept tokens (``metrics.weighted_quantile``, gathered over ranks), a consistent estimate of the
-        quantile GRPO takes over its micro-batch's tokens."""
-        weight = self._loss_row_weights
+        """TRL's entropy filter; while DPPO's loss runs on this trainer, the quantile is the Horvitz-Thompson-
+        weighted quantile of the kept tokens (``metrics.weighted_quantile``, gathered over ranks). The micro-batch
+        holds the kept rows of TRL's own micro-batch (``_microbatches_follow_trl_split``), so with every row kept
+        it is TRL's quantile, and under pruning a consistent estimate of it. DPPO's state is read from the
+        instance only: anything else (TRL's own tests call this on a ``Mock(spec=GRPOTrainer)``) gets TRL's."""
+        weight = self.__dict__.get("_loss_row_weights")
         if weight is None:
             return super().get_high_entropy_mask(entropies, mask, threshold)
         real = mask.bool()
-        pairs = torch.stack([entropies[real].float(), weight.unsqueeze(1).expand_as(entropies)[real].float()], 1)
+        row_weights = weight.unsqueeze(1).expand_as(entropies)[real].float()
+        pairs = torch.stack([entropies[real].detach().float(), row_weights], 1)
         gathered = self.accelerator.gather(self.accelerator.pad_across_processes(pairs, dim=0, pad_index=-1.0))
         gathered = gathered[gathered[:, 0] >= 0]  # entropies are >= 0: -1 marks padding across ranks
         gathered = gathered[gathered[:, 1] > 0]
@@ -381,8 +412,10 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
             metrics[name][-1] = ratio(row)  # replaces TRL's value of this micro-batch
 
     # ------------------------------------------------------------- internals
-    def _weighted_kl(self, per_token_logps, inputs, mask, weight) -> torch.Tensor:
-        """``sum_n w_n * kl_n`` over the micro-batch (kl_n: TRL's k3 estimator, token mean or sum per row)."""
+    def _weighted_kl(self, per_token_logps, inputs, mask, weight, loss_weight) -> torch.Tensor:
+        """``sum_n loss_weight_n * kl_n`` over the micro-batch (kl_n: TRL's k3 estimator, token mean or sum per
+        row; ``loss_weight``: the row weights ``weight`` times, under ``bnpo``, the TRL micro-batch scale); TRL's
+        ``kl`` metric weighted by ``weight``."""
         # Masked positions (fillers, padding) get ref = logp there, hence kl = 0: no overflow times a zero mask.
         ref = torch.where(mask.bool(), inputs["ref_per_token_logps"], per_token_logps.detach())
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
@@ -400,7 +433,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         stats = torch.stack([(per_token_kl.detach() * mask * w.unsqueeze(1)).sum(), (mask * w.unsqueeze(1)).sum()])
         stats = self.accelerator.reduce(stats, reduction="sum")
         self._metrics["train"]["kl"].append((stats[0] / stats[1].clamp(min=1e-12)).item())
-        return (row_kl * w).sum()
+        return (row_kl * loss_weight.to(row_kl.dtype)).sum()
 
     def _training_position(self) -> int:
         """Micro-steps taken since the start of training, from the optimizer steps (so a resumed run counts on)."""
@@ -502,6 +535,30 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         # Work of the log-prob and loss passes scales with the sequence tokens they see.
         metrics["dppo/compute_saved"].append(1.0 - float(sequence[keep].sum() / sequence.sum().clamp(min=1)))
 
+    @property
+    def _microbatches_follow_trl_split(self) -> bool:
+        """Whether micro-batch ``j`` holds this rank's kept rows of TRL's micro-batch ``j`` (TRL's random split, in
+        its order: no token balancing, no rows moved between ranks). The entropy filter's quantile is a statistic
+        of the tokens of one micro-batch at its forward, which only TRL's own split reproduces."""
+        return self.top_entropy_quantile < 1.0
+
+    def _trl_split_of_rows(self, output) -> dict:
+        """Per-row entries that travel with each row, also to another rank: ``dppo_trl_microbatch``, the micro-batch
+        of TRL's split the row would be in (TRL's shuffle replayed from the RNG state it is about to draw from,
+        without drawing: GRPO's split wherever nothing draws in between, e.g. dropout in the deferred passes;
+        random and independent of the keep draw either way), ``dppo_trl_microbatch_tokens``, that micro-batch's
+        loss tokens (every row of it, kept or not), and ``dppo_origin_rank``."""
+        rows, device = output["advantages"].size(0), output["advantages"].device
+        with torch.random.fork_rng(devices=[]):
+            permutation = torch.randperm(rows)  # shuffle_sequence_dict's draw
+        microbatch = trl_microbatch_of_rows(permutation, self.args.steps_per_generation)
+        tokens = microbatch_token_counts(microbatch, loss_mask(output).sum(1), self.args.steps_per_generation)
+        return {
+            "dppo_trl_microbatch": microbatch.to(device),
+            "dppo_trl_microbatch_tokens": tokens.to(device, torch.float32),
+            "dppo_origin_rank": torch.full((rows,), self.accelerator.process_index, device=device),
+        }
+
     RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
 
     @torch.no_grad()
@@ -510,8 +567,10 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         rank) so each rank's token load is within ``RANK_BALANCE_TOLERANCE`` of the mean where the rows allow.
         A row that leaves stays in its rank's batch, no longer kept; received rows are appended, kept. Every
         per-row tensor travels (one fixed-size gather per key, padded to the widest rank). Each row's loss term
-        is normalized by global constants, so where a row trains does not change the gradient."""
-        plan = balance_ranks(self._kept_lengths_per_rank, self.RANK_BALANCE_TOLERANCE)
+        is normalized by global constants or by its own TRL micro-batch's count, which travels with it, so where a
+        row trains does not change the gradient. No row moves while micro-batches follow TRL's split."""
+        tolerance = math.inf if self._microbatches_follow_trl_split else self.RANK_BALANCE_TOLERANCE
+        plan = balance_ranks(self._kept_lengths_per_rank, tolerance)
         length = lambda row: self._kept_lengths_per_rank[row[0]][row[1]]  # noqa: E731
         metrics = self._metrics["train"]
         metrics["dppo/rank_imbalance_before"].append(rank_imbalance([sum(r) for r in self._kept_lengths_per_rank]))
@@ -682,23 +741,37 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
     def _kept_microbatches(self, batch) -> list[dict]:
         """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches
         (``microbatch_plan``: by tokens with packing, at most ``per_device_train_batch_size`` rows each where the
-        rows allow, or evenly by rows; a fair share of every rank's rows in each optimizer step), with the same
-        row count on every rank in each micro-step; a slot with no kept row fills up with zero-weight filler rows
-        of one token."""
-        keep = batch.pop("dppo_keep")
+        rows allow, or evenly by rows; a fair share of every rank's rows in each optimizer step; or TRL's own
+        split, ``_microbatches_follow_trl_split``), with the same row count on every rank in each micro-step; a
+        slot with no kept row fills up with zero-weight filler rows of one token."""
+        keep, trl_microbatch = batch.pop("dppo_keep"), batch.pop("dppo_trl_microbatch")
+        batch.pop("dppo_origin_rank")
         kept = keep.nonzero().flatten()
         lengths = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)).tolist()
-        generator = torch.Generator().manual_seed(self._prune_seed() ^ 0x5851F42D4C957F2D)
-        positions, sizes = microbatch_plan(
-            [lengths[i] for i in kept.tolist()], self._kept_lengths_per_rank, self.args.steps_per_generation,
-            self.args.per_device_train_batch_size, self.args.packing, generator,
-        )  # fmt: skip
-        bins = [kept[p].tolist() for p in positions]
+        if self._microbatches_follow_trl_split:
+            bins, sizes = self._trl_split_bins(trl_microbatch, kept)
+        else:
+            generator = torch.Generator().manual_seed(self._prune_seed() ^ 0x5851F42D4C957F2D)
+            positions, sizes = microbatch_plan(
+                [lengths[i] for i in kept.tolist()], self._kept_lengths_per_rank, self.args.steps_per_generation,
+                self.args.per_device_train_batch_size, self.args.packing, generator,
+            )  # fmt: skip
+            bins = [kept[p].tolist() for p in positions]
         filler = filler_row(batch)
         microbatches = [with_fillers(select_rows(batch, torch.tensor(rows, dtype=torch.long)), filler, size)
                         for rows, size in zip(bins, sizes)]  # fmt: skip
         self._log_microbatch_metrics(batch, lengths, bins, sizes)
         return microbatches
+
+    def _trl_split_bins(self, trl_microbatch, kept) -> tuple[list[list[int]], list[int]]:
+        """``(bins, sizes)``: bin ``j`` the kept rows of TRL's micro-batch ``j``; ``sizes[j]`` the most any rank has
+        there (at least 1)."""
+        steps = self.args.steps_per_generation
+        of_kept = trl_microbatch[kept].cpu()
+        bins = [kept[of_kept == j].tolist() for j in range(steps)]
+        counts = torch.tensor([len(rows) for rows in bins], device=self.accelerator.device)
+        sizes = self.accelerator.gather(counts).view(-1, steps).amax(0).clamp(min=1).tolist()
+        return bins, sizes
 
     def _log_microbatch_metrics(self, batch, lengths, bins, sizes) -> None:
         """``dppo/token_density`` (real / allocated tokens) and ``dppo/microbatch_imbalance``, over all ranks."""

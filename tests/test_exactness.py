@@ -188,7 +188,7 @@ def test_each_optimizer_step_gets_a_fair_share_of_rows_when_ga_is_below_spg(tmp_
     first_rows, first_long, first_sizes = [], [], set()
     for seed in range(400):
         trainer.args.prune_seed = seed
-        microbatches = trainer._kept_microbatches({**batch, "dppo_keep": keep})
+        microbatches = trainer._kept_microbatches({**batch, **trainer._trl_split_of_rows(batch), "dppo_keep": keep})
         real = [mb["completion_mask"].sum(1) for mb in microbatches[:ga]]  # the first optimizer step's rows
         first_rows.append(sum(int((r > 0).sum()) for r in real))
         first_long.append(sum(int((r == comp).sum()) for r in real))

@@ -142,13 +142,15 @@ def test_entropy_bonus_keeps_the_estimator_unbiased(
     assert_exact(grad, full_grad)
 
 
-def test_entropy_mask_outside_a_loss_computation_is_trls():
-    """TRL's own unit test calls ``get_high_entropy_mask`` on a trainer built without ``__init__`` (a mock
-    accelerator): DPPOTrainer's falls back to TRL's filter there instead of raising AttributeError."""
+@pytest.mark.parametrize("made", ["bare", "mock"])
+def test_entropy_mask_outside_a_loss_computation_is_trls(made):
+    """TRL's own unit tests call ``get_high_entropy_mask`` on a trainer built without ``__init__`` and on a
+    ``Mock(spec=GRPOTrainer)`` (whose class attributes read as Mocks): DPPOTrainer's reads its state from the
+    instance only, so it falls back to TRL's filter in both instead of raising."""
     from unittest.mock import Mock
 
-    def bare(cls):
-        trainer = cls.__new__(cls)
+    def trainer_of(cls):
+        trainer = cls.__new__(cls) if made == "bare" else Mock(spec=cls)
         trainer.accelerator = Mock(num_processes=1)
         trainer.accelerator.pad_across_processes.side_effect = lambda x, dim, pad_index: x
         trainer.accelerator.gather.side_effect = lambda x: x
@@ -156,6 +158,6 @@ def test_entropy_mask_outside_a_loss_computation_is_trls():
 
     entropies = torch.tensor([[0.1, 0.5, 0.9, 1.3], [0.2, 0.6, 1.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    expected = bare(GRPOTrainer).get_high_entropy_mask(entropies, mask, 0.5)
-    assert torch.equal(bare(DPPOTrainer).get_high_entropy_mask(entropies, mask, 0.5), expected)
+    expected = GRPOTrainer.get_high_entropy_mask(trainer_of(GRPOTrainer), entropies, mask, 0.5)
+    assert torch.equal(DPPOTrainer.get_high_entropy_mask(trainer_of(DPPOTrainer), entropies, mask, 0.5), expected)
     assert 0 < int(expected.sum()) < int(mask.sum())

@@ -88,8 +88,10 @@ def synthetic_batch(trainer, seed=0):
 
 
 def dppo_loss_and_grad(trainer, batch, keep, weights):
-    """Total loss and gradient of one generation batch through DPPOTrainer's own split and loss."""
+    """Total loss and gradient of one generation batch through DPPOTrainer's own split and loss (TRL's split of
+    the rows, whose micro-batch token counts ``bnpo`` and the entropy bonus divide by, drawn before the mask)."""
     b = dict(batch)
+    b.update(trainer._trl_split_of_rows(b))
     b["dppo_keep"] = keep
     b["dppo_weight"] = weights.to(batch["advantages"].dtype)
     lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
