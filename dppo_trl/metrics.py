@@ -48,6 +48,19 @@ def ratio(stats: torch.Tensor) -> float:
     return float(stats[0] / stats[1]) if float(stats[1]) > 0 else 0.0
 
 
+def mean_of_rank_means(stats: torch.Tensor) -> float | None:
+    """TRL's multi-rank mean of a per-rank mean (``gather(rank_mean).mean()``): the mean, over the ranks with
+    something counted, of each rank's ``sum / count``; None when no rank counted anything.
+
+    Args:
+        stats: (P, 2) each rank's reduced ``weighted_mean_stats``.
+    """
+    counted = stats[:, 1] > 0
+    if not bool(counted.any()):
+        return None
+    return float((stats[counted, 0] / stats[counted, 1]).mean())
+
+
 def weighted_quantile(values: torch.Tensor, weights: torch.Tensor, q: float) -> torch.Tensor:
     """The ``q``-quantile of ``values``, value ``i`` standing for ``weights[i]`` tokens: ``torch.quantile``'s
     linear rule on the sample in which each value is repeated ``w_i`` times (a value standing for less than one

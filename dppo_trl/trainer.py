@@ -57,7 +57,14 @@ from .estimator import (
     trl_microbatch_normalizer,
     trl_microbatch_token_scale,
 )
-from .metrics import SAMPLING_METRICS, drop_last_entry, ratio, weighted_mean_stats, weighted_quantile
+from .metrics import (
+    SAMPLING_METRICS,
+    drop_last_entry,
+    mean_of_rank_means,
+    ratio,
+    weighted_mean_stats,
+    weighted_quantile,
+)
 from .packing import (
     balance_ranks,
     default_packed_tokens,
@@ -654,7 +661,9 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
 
     def _recompute_vllm_importance_sampling(self, output, rows):
         """TRL built the vLLM IS ratio (and its ``sampling/*`` metrics) from the deferred placeholder: rebuild
-        both from the real old-policy log-probs of the forwarded rows; the means are Horvitz-Thompson weighted."""
+        both from the real old-policy log-probs of the forwarded rows. The means follow TRL's definition, the mean
+        over ranks of each rank's mean, each rank's (over the rows it generated, wherever they train now) as a
+        Horvitz-Thompson weighted mean."""
         mask = loss_mask(output)
         old, sampled, mask = output["old_per_token_logps"][rows], output["sampling_per_token_logps"][rows], mask[rows]
         weight = output["dppo_weight"][rows]
@@ -669,21 +678,26 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         output["importance_sampling_ratio"][rows] = ratio_.to(output["importance_sampling_ratio"].dtype)
         scored = mask.bool() & ~torch.isnan(sampled)
         delta = (old - sampled).abs()
-        means = torch.stack([weighted_mean_stats(torch.nan_to_num(delta), scored, weight),
-                             weighted_mean_stats(ratio_, mask, weight)])  # fmt: skip
-        means = self.accelerator.reduce(means.to(self.accelerator.device), reduction="sum").cpu()
+        origin = output["dppo_origin_rank"][rows]
+        per_rank = torch.stack([
+            torch.stack([weighted_mean_stats(torch.nan_to_num(delta)[mine], scored[mine], weight[mine]),
+                         weighted_mean_stats(ratio_[mine], mask[mine], weight[mine])])
+            for mine in (origin == rank for rank in range(self.accelerator.num_processes))
+        ])  # fmt: skip
+        per_rank = self.accelerator.reduce(per_rank.to(self.accelerator.device), reduction="sum").cpu()
         delta = delta[scored]
         ratios = ratio_.flatten() if ratio_.size(1) == 1 else ratio_[mask.bool()]
         extremes = self._gathered_extremes({"sampling/sampling_logp_difference/max": (delta, "max"),
                                             "sampling/importance_sampling_ratio/min": (ratios, "min"),
                                             "sampling/importance_sampling_ratio/max": (ratios, "max")})  # fmt: skip
         metrics = self._metrics["train"]
-        if float(means[1][1]) == 0:  # no kept row on any rank: no estimate, so no entry (neither TRL's value nor 0)
+        means = [mean_of_rank_means(per_rank[:, k]) for k in range(2)]
+        if means[1] is None:  # no kept row on any rank: no estimate, so no entry (neither TRL's value nor 0)
             for name in SAMPLING_METRICS:
                 drop_last_entry(metrics, name)
             return
-        metrics["sampling/sampling_logp_difference/mean"][-1] = ratio(means[0])  # replaces TRL's value
-        metrics["sampling/importance_sampling_ratio/mean"][-1] = ratio(means[1])
+        metrics["sampling/sampling_logp_difference/mean"][-1] = means[0]  # replaces TRL's value
+        metrics["sampling/importance_sampling_ratio/mean"][-1] = means[1]
         for name, value in extremes.items():  # infinite: kept rows, but none with a token the sampler scored
             if math.isfinite(value):
                 metrics[name][-1] = value
