@@ -444,12 +444,34 @@ def _dppo_in_place_of_grpo(made: list):
         trl.GRPOTrainer = original
 
 
+def _exit_without_finalizers() -> None:
+    """End the process as Python's own exit does, but for its last stage: join the non-daemon Python threads (and
+    run ``threading``'s exit hooks, e.g. ``concurrent.futures``' pools), run the ``atexit`` handlers (a tracker's
+    final sync such as ``wandb.finish``, ``logging.shutdown``, ``weakref.finalize`` callbacks), flush stdout and
+    stderr, then ``os._exit(0)``: no garbage collection, so no object is freed and no ``__del__`` runs (the
+    trainer, still referenced by the caller, is never freed). The threads and handlers run while the trainer is
+    alive, before anything is torn down."""
+    import atexit
+    import threading
+
+    try:
+        shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx runs first (CPython's, private)
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()  # then this: every handler, in reverse order; errors are printed, not raised
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def run(script_args, training_args, model_args, dataset_args) -> None:
     """TRL's GRPO training script with DPPOTrainer. A process of a group of CPU processes (gloo) ends right after
     the script (which saved the model and destroyed the process group), without freeing the trainer: freeing
     DDP's reducer frees its gloo process group, whose destructor joins gloo's worker thread while holding the
     GIL, and that thread may still need the GIL to free the last collective's tensors, so a finished rank hangs
-    at exit (a torch race, pytorch/pytorch#56297; measured: 1 two-process run in 6)."""
+    at exit (a torch race, pytorch/pytorch#56297; measured: 1 two-process run in 6). It ends through
+    ``_exit_without_finalizers``: the exit handlers run (a tracker's final sync), only the finalizers do not."""
     from trl.scripts.grpo import main as grpo_main
 
     made: list = []
@@ -458,9 +480,7 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
         grpo_main(script_args, training_args, model_args, dataset_args)
     accelerator = made[-1].accelerator if made else None
     if accelerator is not None and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_without_finalizers()
 
 
 _DISTRIBUTED_LAUNCHERS = ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu")

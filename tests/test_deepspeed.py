@@ -15,7 +15,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
-    reason="deepspeed is not installed (pip install 'dppo-trl[deepspeed]'; see docs/multi_gpu.md, DeepSpeed)",
+    reason="deepspeed is not installed (pip install '.[deepspeed]' in a checkout; see docs/multi_gpu.md, DeepSpeed)",
 )
 
 WORKER = Path(__file__).parent / "deepspeed_worker.py"
