@@ -10,14 +10,23 @@ Each row carries the task, its generator options, seed, size and index; the rewa
 process) and scores with the generator's own entry, so nothing of the entry is lost to serialization. How the
 answer is read from a completion is a choice by name (``ANSWER_FORMATS``): reasoning-gym's own ``<answer>`` tag, or
 the last number (small instruct models answer in sentences; the strict score then gives almost nothing). Needs
-``pip install "dppo-trl[reasoning-gym]"``. From a recipe: the ``reasoning_gym_*`` keys of ``dppo-trl``.
+``pip install ".[reasoning-gym]"`` in a checkout (README "Install"). From a recipe: the ``reasoning_gym_*`` keys of ``dppo-trl``.
+
+A completion the task cannot score scores 0.0 and never stops the run: no answer read from it, ``score_answer``
+raising on what was read (some tasks raise on answers they cannot parse), or a score that is not a number (None,
+NaN, a string); a finite score is clamped into [0, 1]. Each call logs, through TRL's ``log_metric``, the fraction of
+its completions with no answer (``reasoning_gym/no_answer_fraction``) and the fraction the task could not score
+(``reasoning_gym/unscorable_fraction``), and the first failure of each task is warned once, with the exception.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+import math
 import re
+import warnings
 from collections.abc import Callable
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -66,7 +75,10 @@ def check_task(task: str) -> None:
     try:
         from reasoning_gym.factory import DATASETS
     except ImportError as error:
-        raise ImportError('reasoning-gym is not installed: pip install "dppo-trl[reasoning-gym]"') from error
+        raise ImportError(
+            'reasoning-gym is not installed: pip install reasoning-gym (or, in a dppo-trl checkout, pip install '
+            '".[reasoning-gym]")'
+        ) from error
     if task not in DATASETS:
         raise ValueError(f"reasoning-gym has no task {task!r}; its tasks: {', '.join(sorted(DATASETS))}.")
 
@@ -76,6 +88,18 @@ def _generator(task: str, options_json: str, seed: int, size: int):
     import reasoning_gym
 
     return reasoning_gym.create_dataset(task, size=size, seed=seed, **json.loads(options_json))
+
+
+@functools.lru_cache(maxsize=8192)
+def _cached_entry(task: str, options_json: str, seed: int, size: int, index: int):
+    return _generator(task, options_json, seed, size)[index]
+
+
+def _entry(task: str, options_json: str, seed: int, size: int, index: int) -> dict:
+    """Entry ``index`` of the generator, generated once: reasoning-gym generates an entry anew on each lookup (a
+    knight_swap puzzle is solved again, about 0.7 s), and the reward looks one up per completion. A copy, so that
+    a score_answer that changes its entry changes nothing cached."""
+    return copy.deepcopy(_cached_entry(task, options_json, int(seed), int(size), int(index)))
 
 
 def reasoning_gym_dataset(
@@ -96,11 +120,10 @@ def reasoning_gym_dataset(
     check_task(task)
     check_answer_format(answer_format)
     options_json = json.dumps(options, sort_keys=True)
-    generator = _generator(task, options_json, seed, size)
     instruction = DEFAULT_INSTRUCTIONS[answer_format] if instruction is None else instruction
     rows = []
     for index in range(size):
-        entry = generator[index]
+        entry = _entry(task, options_json, seed, size, index)
         user = f"{entry['question']} {instruction}".strip()
         system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         rows.append(
@@ -125,16 +148,83 @@ def completion_text(completion) -> str:
     return completion[-1]["content"] if completion else ""
 
 
-def score(text: str, task: str, options_json: str, seed: int, size: int, index: int, answer_format: str) -> float:
-    """The task's own ``score_answer`` on the answer ``answer_format`` reads from ``text`` (0 when none)."""
+# What became of a completion: scored by the task, no answer read from it, or the task could not score it.
+SCORED, NO_ANSWER, UNSCORABLE = "scored", "no_answer", "unscorable"
+NO_ANSWER_METRIC = "reasoning_gym/no_answer_fraction"
+UNSCORABLE_METRIC = "reasoning_gym/unscorable_fraction"
+_warned: set[tuple[str, str]] = set()  # (task, what failed): warned once per process
+
+
+def _warn_once(task: str, what: str, detail: str) -> None:
+    if (task, what) in _warned:
+        return
+    _warned.add((task, what))
+    detail = detail if len(detail) <= 200 else detail[:200] + "..."
+    warnings.warn(
+        f"reasoning-gym task {task!r}: {detail}. Such completions score 0.0; the fraction is logged as "
+        f"{NO_ANSWER_METRIC if what == 'extract' else UNSCORABLE_METRIC} (warned once per task).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _as_score(value) -> float | None:
+    """A finite number clamped into [0, 1]; None for anything else (None, NaN, infinities, strings, ...)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    try:
+        number = float(min(max(value, 0), 1)) if isinstance(value, int) else float(value)  # ints of any size
+    except Exception:  # not a number (a list, a complex, ...)
+        return None
+    return min(max(number, 0.0), 1.0) if math.isfinite(number) else None
+
+
+def _score(text, task: str, options_json: str, seed: int, size: int, index: int, answer_format: str):
+    """``(score, outcome)``: the score in [0, 1] and SCORED, NO_ANSWER or UNSCORABLE (the last two score 0.0)."""
     generator = _generator(task, options_json, int(seed), int(size))
-    answer = ANSWER_FORMATS[answer_format](text)
-    return 0.0 if answer is None else float(generator.score_answer(answer, generator[int(index)]))
+    extract = ANSWER_FORMATS[answer_format]
+    entry = _entry(task, options_json, seed, size, index)
+    try:
+        answer = extract(text) if isinstance(text, str) else None  # None: a message without text content
+    except Exception as error:  # a completion the extraction cannot read has no answer
+        _warn_once(task, "extract", f"the {answer_format} extraction raised {type(error).__name__}: {error}")
+        answer = None
+    if answer is None:
+        return 0.0, NO_ANSWER
+    try:
+        value = generator.score_answer(answer, entry)
+    except Exception as error:  # the task cannot parse this answer (KeyboardInterrupt and the like still stop)
+        _warn_once(task, "raise", f"score_answer raised {type(error).__name__}: {error}")
+        return 0.0, UNSCORABLE
+    result = _as_score(value)
+    if result is None:
+        _warn_once(task, "value", f"score_answer returned {value!r:.80}, not a finite number")
+        return 0.0, UNSCORABLE
+    return result, SCORED
+
+
+def score(text: str, task: str, options_json: str, seed: int, size: int, index: int, answer_format: str) -> float:
+    """The task's own ``score_answer`` on the answer ``answer_format`` reads from ``text``, clamped into [0, 1];
+    0.0 when no answer is read or the task cannot score it (it raises, or gives no finite number)."""
+    return _score(text, task, options_json, seed, size, index, answer_format)[0]
 
 
 def reasoning_gym_reward(
-    completions, rg_task, rg_options, rg_seed, rg_size, rg_index, rg_answer_format, **kwargs
+    completions, rg_task, rg_options, rg_seed, rg_size, rg_index, rg_answer_format, log_metric=None, **kwargs
 ) -> list[float]:
-    """TRL reward function for rows of ``reasoning_gym_dataset``: each completion scored by its task."""
+    """TRL reward function for rows of ``reasoning_gym_dataset``: each completion scored by its task (0.0 for one
+    it cannot score). With TRL's ``log_metric``, logs the fractions of this call's completions with no answer and
+    that the task could not score (``NO_ANSWER_METRIC``, ``UNSCORABLE_METRIC``)."""
     rows = zip(completions, rg_task, rg_options, rg_seed, rg_size, rg_index, rg_answer_format)
-    return [score(completion_text(c), *rest) for c, *rest in rows]
+    results = []
+    for completion, *rest in rows:
+        try:
+            text = completion_text(completion)
+        except Exception:  # a malformed message: nothing to read an answer from
+            text = None
+        results.append(_score(text, *rest))
+    if log_metric is not None and results:
+        outcomes = [outcome for _, outcome in results]
+        log_metric(NO_ANSWER_METRIC, outcomes.count(NO_ANSWER) / len(outcomes))
+        log_metric(UNSCORABLE_METRIC, outcomes.count(UNSCORABLE) / len(outcomes))
+    return [value for value, _ in results]
