@@ -10,7 +10,8 @@ Each row carries the task, its generator options, seed, size and index; the rewa
 process) and scores with the generator's own entry, so nothing of the entry is lost to serialization. How the
 answer is read from a completion is a choice by name (``ANSWER_FORMATS``): reasoning-gym's own ``<answer>`` tag, or
 the last number (small instruct models answer in sentences; the strict score then gives almost nothing). Needs
-``pip install ".[reasoning-gym]"`` in a checkout (README "Install"). From a recipe: the ``reasoning_gym_*`` keys of ``dppo-trl``.
+``pip install ".[reasoning-gym]"`` in a checkout (README "Install"). From a recipe: the ``reasoning_gym_*`` keys
+of ``dppo-trl``.
 
 A completion the task cannot score scores 0.0 and never stops the run: no answer read from it, ``score_answer``
 raising on what was read (some tasks raise on answers they cannot parse), or a score that is not a number (None,
