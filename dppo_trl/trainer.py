@@ -5,7 +5,9 @@ pruning wired into its hooks.
   old-policy and reference log-prob passes it would run before scoring are only recorded, then run after
   the keep mask is drawn, on the kept rows alone.
 - ``_prepare_inputs``: TRL's shuffle, then the kept rows (not TRL's equal split of all rows) make the
-  ``steps_per_generation`` micro-batches, balanced by tokens when packing.
+  ``steps_per_generation`` micro-batches, balanced by tokens when packing (TRL's own split under the entropy
+  filter); each row carries its micro-batch of TRL's split, whose token count ``bnpo`` and the entropy bonus
+  divide by, so no statistic is taken over a packing bin.
 - ``_get_per_token_logps_and_entropies``: defers the passes during generation; with packing, runs them
   padding-free (several sequences per row, position_ids restarting per sequence) and unpacks the result
   into TRL's padded ``(B, T)`` layout, so TRL's loss code runs unchanged.
@@ -13,7 +15,8 @@ pruning wired into its hooks.
   to the full-batch normalizer; the KL term (``beta > 0``) and the entropy bonus are weighted the same way and
   added beside it, with the MoE router loss of the forwarded rows; TRL's logged means become weighted ones.
 - ``get_high_entropy_mask``: the entropy filter's quantile, weighted.
-- ``_calculate_rewards``: remembers the rewards (zero-spread groups score 0; the ``zero_variance`` filter).
+- ``_calculate_rewards``: remembers the rewards (rows whose A is 0 in exact arithmetic score 0; the
+  ``zero_variance`` filter).
 - Prompt pruning: ``dppo_trl.prompt_hooks`` (the sampler, the schedule and progress bar that follow data
   progress in epoch-based runs, the sampler's state in checkpoints).
 - The gradient audit (``audit_every``): ``dppo_trl.audit_hooks`` (GRPO's and DPPO's gradients of an audited
