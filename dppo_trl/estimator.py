@@ -133,7 +133,9 @@ def trl_microbatch_token_scale(trl_microbatch_tokens: torch.Tensor, mean_microba
     the micro-batch the row is in (its rank's share of its random split, at least 1); DPPO's full-batch
     normalizer is the mean micro-batch's count. Scaling row ``n``'s term by this factor makes it TRL's, wherever
     the row trains. ``T_n`` is counted over every row of that micro-batch, kept or not, before the keep draw, so
-    the Horvitz-Thompson sum over the kept rows stays unbiased.
+    the Horvitz-Thompson sum over the kept rows stays unbiased. A count of 0 gives 1: a row of a micro-batch
+    without loss tokens contributes nothing anyway, a filler row weighs 0, and a row that TRL's split leaves out
+    (a remainder, which TRL drops) keeps the full-batch normalizer.
 
     Args:
         trl_microbatch_tokens: (B,) each row's TRL micro-batch's loss-token count.
@@ -142,4 +144,5 @@ def trl_microbatch_token_scale(trl_microbatch_tokens: torch.Tensor, mean_microba
     Returns:
         (B,) float64.
     """
-    return mean_microbatch_tokens / trl_microbatch_tokens.detach().to(torch.float64).clamp(min=1.0)
+    tokens = trl_microbatch_tokens.detach().to(torch.float64)
+    return torch.where(tokens > 0, mean_microbatch_tokens / tokens.clamp(min=1.0), 1.0)

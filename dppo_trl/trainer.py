@@ -143,6 +143,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         self._compute_aux_loss = False  # the MoE router loss of the loss pass, computed beside TRL's
         self._last_entropy_mask: torch.Tensor | None = None
         self._loss_row_weights: torch.Tensor | None = None  # rows' weights while DPPO's loss runs (entropy filter)
+        self._trl_split_rng_state: torch.Tensor | None = None  # the CPU RNG state TRL's split was replayed from
         self._last_rewards_per_func: torch.Tensor | None = None
         self._kept_lengths_per_rank: list[list[int]] = []
         self._widths_per_rank: list[int] = []
@@ -262,11 +263,11 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
-            # TRL's own shuffle: it draws from the global RNG exactly as GRPOTrainer does, whatever was pruned.
-            shuffle_rng_state = torch.get_rng_state()
+            # TRL's own shuffle (which rows land in which micro-batch is DPPO's plan; the rows' TRL split was
+            # replayed before the deferred passes, from self._trl_split_rng_state).
             batch = shuffle_sequence_dict(batch)
             self._buffered_inputs = self._kept_microbatches(batch)
-            self._audit_generation_batch(shuffle_rng_state)  # nothing unless this batch is audited
+            self._audit_generation_batch(self._trl_split_rng_state)  # nothing unless this batch is audited
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _compute_loss(self, model, inputs):
@@ -568,6 +569,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         random and independent of the keep draw either way), ``dppo_trl_microbatch_tokens``, that micro-batch's
         loss tokens (every row of it, kept or not), and ``dppo_origin_rank``."""
         rows, device = output["advantages"].size(0), output["advantages"].device
+        self._trl_split_rng_state = torch.get_rng_state()  # the audit's GRPO reference shuffles from it too
         with torch.random.fork_rng(devices=[]):
             permutation = torch.randperm(rows)  # shuffle_sequence_dict's draw
         microbatch = trl_microbatch_of_rows(permutation, self.args.steps_per_generation)
@@ -703,13 +705,17 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
                                             "sampling/importance_sampling_ratio/min": (ratios, "min"),
                                             "sampling/importance_sampling_ratio/max": (ratios, "max")})  # fmt: skip
         metrics = self._metrics["train"]
-        means = [mean_of_rank_means(per_rank[:, k]) for k in range(2)]
-        if means[1] is None:  # no kept row on any rank: no estimate, so no entry (neither TRL's value nor 0)
-            for name in SAMPLING_METRICS:
+        means = {"sampling/sampling_logp_difference/mean": mean_of_rank_means(per_rank[:, 0]),
+                 "sampling/importance_sampling_ratio/mean": mean_of_rank_means(per_rank[:, 1])}  # fmt: skip
+        if means["sampling/importance_sampling_ratio/mean"] is None:  # no kept row on any rank: no estimate, so
+            for name in SAMPLING_METRICS:  # no entry (neither TRL's value nor 0)
                 drop_last_entry(metrics, name)
             return
-        metrics["sampling/sampling_logp_difference/mean"][-1] = means[0]  # replaces TRL's value
-        metrics["sampling/importance_sampling_ratio/mean"][-1] = means[1]
+        for name, value in means.items():  # replaces TRL's value; None: kept rows, but no scored token
+            if value is None:
+                drop_last_entry(metrics, name)
+            else:
+                metrics[name][-1] = value
         for name, value in extremes.items():  # infinite: kept rows, but none with a token the sampler scored
             if math.isfinite(value):
                 metrics[name][-1] = value

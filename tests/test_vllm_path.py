@@ -126,3 +126,18 @@ def test_a_batch_that_keeps_nothing_logs_no_sampling_metrics(tmp_path, tiny_mode
     assert logs["dppo"]["dppo/kept_fraction"] == 0
     assert not any(key in logs["dppo"] for key in SAMPLING_KEYS)
     assert all(key in logs["grpo"] for key in SAMPLING_KEYS)
+
+
+def test_kept_rows_without_a_scored_token_log_no_logp_difference(tmp_path, tiny_model_dir, train_dataset):
+    """Every completion truncated and masked (`mask_truncated_completions`), every row kept: a sequence-level IS
+    ratio still has a mean over the rows, the log-prob difference has no token to average. Its entry is left out
+    (a None there would crash TRL's log), the ratio's is logged."""
+    args = run(SimDPPO, DPPOConfig, tmp_path, "sequence_truncate", max_steps=1, completion_keep_rate=1.0,
+               max_completion_length=2, mask_truncated_completions=True)  # fmt: skip
+    trainer = SimDPPO(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    trainer.use_vllm = True
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert log["completions/clipped_ratio"] == 1.0
+    assert "sampling/importance_sampling_ratio/mean" in log
+    assert "sampling/sampling_logp_difference/mean" not in log
