@@ -104,12 +104,22 @@ bench-real-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm --json benchmarks/results/bench_real_vllm.json \
 		--plots docs/images
 
-# The gradient audit, every batch audited, 1 seed: on the real model stratified (keep 0.5, 0.25) vs topk (0.25),
-# 24 steps (about 33 min here); on the countdown task stratified vs topk at 0.25, 150 audits (about 7 min).
+# The gradient audit, every batch audited, 1 seed: on the real model stratified vs topk at keep 0.3, 24 steps
+# (about 40 min here); on the countdown task stratified vs topk at 0.25, 50 audits (about 12 min); the bias
+# alarm's false-alarm rate and topk's detection on simulated batches (500 seeded runs per design; balanced, slow,
+# 100 runs of 24 audits), merged into one record.
+ALARM_TMP := benchmarks/results/.bench_audit_alarm
 bench-audit: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py --task countdown --steps 300 --runs stratified@0.25 topk@0.25 \
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py --task countdown --steps 100 --runs stratified@0.25 topk@0.25 \
 		--json benchmarks/results/bench_audit_countdown.json
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py --task alarm --runs stratified@0.3 systematic@0.3 poisson@0.3 \
+		topk@0.3 --json $(ALARM_TMP)-main.json
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py --task alarm --runs balanced@0.3 --sim-seeds 100 --sim-looks 24 \
+		--json $(ALARM_TMP)-balanced.json
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_audit.py --task alarm --from-json $(ALARM_TMP)-main.json \
+		$(ALARM_TMP)-balanced.json --json benchmarks/results/bench_audit_alarm.json
+	rm -f $(ALARM_TMP)-main.json $(ALARM_TMP)-balanced.json
 
 # Gradient error per unit of compute of every estimator against the population gradient, float64 (~15 min here).
 bench-variance: $(STAMP)

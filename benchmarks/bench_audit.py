@@ -1,16 +1,16 @@
 """The online gradient audit on the real model: SmolLM2-135M-Instruct (`dppo-trl-smollm2`) with LoRA on reasoning-gym's
-chain_sum (bench_real.py's setup: 4 prompts x 8 completions a step, dapo, beta 0, learning rate 2e-4), DPPO with an
-unbiased design (stratified, the default) at keep 0.5 (the default) and 0.25, and with CPPO's biased topk at 0.25,
-every generation batch audited (``audit_every=1``), training as usual in between. (On this task about half the
-rows have A = 0, so at keep 0.5 both designs keep nearly every row that counts; 0.25 makes them prune.)
+chain_sum (bench_real.py's setup: 4 prompts x 8 completions a step, dapo, beta 0, learning rate 2e-4, TRL's LoRA
+dropout 0.05), DPPO with unbiased designs and with CPPO's biased topk at keep 0.3, every generation batch audited
+(``audit_every=1``), training as usual in between.
 
 Per design and seed it reports the audit's readings: the median cosine of DPPO's and GRPO's gradients of the same
 batch, the mean measured relative error against the mean model-based ``dppo/pruning_error`` (and their median
-ratio, ``dppo/audit_noise_to_signal``), the final bias z (Bonferroni-corrected over the directions), and what the
-audit cost (its seconds over the rest of the step's).
+ratio, ``dppo/audit_noise_to_signal``), the bias statistic (``dppo/audit_bias_t`` after the last audit, and the
+counted audit at which the bias alarm first fired), and what the audit cost: the seconds of one audit over those
+of one training step without it (generation included).
 
-    make bench-audit                                        # the real model (33 min here), then countdown (7 min)
-    python benchmarks/bench_audit.py --steps 4 --seeds 0 --runs stratified@0.25
+    make bench-audit                                        # the real model, then countdown
+    python benchmarks/bench_audit.py --steps 4 --seeds 0 --runs stratified@0.3
 """
 
 from __future__ import annotations
@@ -34,40 +34,82 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_reasoning  # noqa: E402
 import bench_real  # noqa: E402
 
+LORA_DROPOUT = 0.05  # TRL's ModelConfig default, the smollm2-chain-sum-lora recipe's
+
 
 def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
-    """Train DPPO with ``design`` at ``keep_rate``, every batch audited; return each audit's readings and timing."""
+    """Train DPPO with ``design`` at ``keep_rate``, every batch audited; return each audit's readings and each
+    step's timing (``audit_s`` of the step's wall time went to the audit)."""
+    from transformers import TrainerCallback
+
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.audit import compare_gradients
+    from dppo_trl.audit import compare_gradients, make_sketch
 
     class Recorded(DPPOTrainer):
         def _record_audit(self, dppo, grpo, seconds):
-            before = {k: len(v) for k, v in self._audit_records().items()}
-            super()._record_audit(dppo, grpo, seconds)
             records = self._audit_records()
-            new = {k: records[k][before[k]] if len(records[k]) > before[k] else None for k in records}
+            counted = len(records["projection"])
+            super()._record_audit(dppo, grpo, seconds)
+            entered = len(records["projection"]) > counted
             model_error = None if self._prune_summary is None else self._prune_summary[1]
-            compared = compare_gradients(dppo, grpo)  # None: GRPO's gradient is 0 (every group's rewards equal)
-            self.__dict__.setdefault("audits", []).append({**new, "model_error": model_error, "seconds": seconds,
-                                                           "rel_error": compared and compared["rel_error"]})
+            compared = compare_gradients(dppo, grpo) or {}  # {}: GRPO's gradient is 0
+            self.__dict__.setdefault("audits", []).append({
+                "step": self.state.global_step, "kind": self._audit_kind, "seconds": seconds,
+                "cosine": compared.get("cosine"), "rel_error": compared.get("rel_error"),
+                "projection": compared.get("projection"), "model_error": model_error,
+                "ratio": compared["rel_error"] / model_error if compared and model_error else None,
+                "counted": entered, "bias_t": records["bias_t"][-1] if entered and records["bias_t"] else None,
+                "alarm": records["alarm_at"] is not None})  # fmt: skip
+            self.__dict__["audit_s_this_step"] = self.__dict__.get("audit_s_this_step", 0.0) + seconds
+
+        def _audit_generation_batch(self, shuffle_rng_state):
+            no_signal = self._audit_records()["no_signal"]
+            super()._audit_generation_batch(shuffle_rng_state)
+            if self._audit_records()["no_signal"] > no_signal:  # every score 0: counted, not compared
+                self.__dict__.setdefault("audits", []).append({
+                    "step": self.state.global_step, "kind": self._audit_kind,
+                    "seconds": self._audit_reference_seconds, "cosine": None,
+                    "rel_error": None, "projection": None, "model_error": None, "ratio": None, "counted": False,
+                    "bias_t": None, "alarm": self._audit_records()["alarm_at"] is not None})  # fmt: skip
+                seconds = self.audits[-1]["seconds"]
+                self.__dict__["audit_s_this_step"] = self.__dict__.get("audit_s_this_step", 0.0) + seconds
 
         def _draw_keep_mask(self, output, scores):
             keep, weights, pi = super()._draw_keep_mask(output, scores)
             self.__dict__.setdefault("kept_fractions", []).append(float(keep.float().mean()))
             return keep, weights, pi
 
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.trainer, self.steps, self.last = None, [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            audit = self.trainer.__dict__.pop("audit_s_this_step", 0.0)
+            self.steps.append({"step": state.global_step, "wall_s": time.perf_counter() - self.last, "audit_s": audit})
+            a = (self.trainer.__dict__.get("audits") or [{}])[-1]
+            print(f"[{design}@{keep_rate}/{seed}] step {state.global_step}: {self.steps[-1]['wall_s']:.1f} s "
+                  f"(audit {audit:.1f} s) cosine {a.get('cosine')} projection {a.get('projection')} "
+                  f"bias t {a.get('bias_t')} alarm {a.get('alarm')}", flush=True)
+
     args = DPPOConfig(output_dir=tempfile.mkdtemp(prefix="dppo-audit-"), report_to=[], save_strategy="no",
                       gradient_checkpointing=False, disable_tqdm=True, logging_steps=10**6, seed=seed,
                       max_steps=setup["steps"], completion_keep_rate=keep_rate, prune_sampling=design, audit_every=1,
                       **setup["trainer_args"])  # fmt: skip
+    times = StepTimes()
     trainer = Recorded(setup["model_dir"], setup["reward_funcs"], args=args, train_dataset=setup["train_dataset"],
-                       **setup["trainer_kwargs"])  # fmt: skip
+                       callbacks=[times], **setup["trainer_kwargs"])  # fmt: skip
+    times.trainer = trainer
     torch.manual_seed(seed)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    audits = trainer.audits
-    audit_seconds = sum(a["seconds"] for a in audits)
+    records = trainer._audit_records()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    sketch = trainer._audit_sketch or make_sketch(sum(p.numel() for p in params), args.audit_sketch_dim,
+                                                  args.audit_exact_params, args.seed)  # fmt: skip
     return {
         "design": design,
         "keep_rate": keep_rate,
@@ -75,10 +117,13 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
         "kept_fraction": statistics.mean(trainer.kept_fractions),
         "steps": trainer.state.global_step,
         "wall_s": wall,
-        "audit_s": audit_seconds,
-        "sketch": {"dim": trainer._audit_sketch.dim, "exact": trainer._audit_sketch.exact},
-        "audits": audits,
-        "final_bias_z": audits[-1]["bias_z"] if audits else None,
+        "audit_s": sum(a["seconds"] for a in trainer.__dict__.get("audits", [])),
+        "sketch": {"dim": sketch.dim, "exact": sketch.exact},
+        "audited_batches": records["audits"],
+        "no_signal": records["no_signal"],
+        "alarm_at": records["alarm_at"],
+        "audits": trainer.__dict__.get("audits", []),
+        "step_times": times.steps,
     }
 
 
@@ -90,30 +135,133 @@ def summary(run: dict) -> dict:
     paired = [a for a in audits if a["rel_error"] is not None and a["model_error"] is not None]
     errors = [a["rel_error"] for a in (paired or audits) if a["rel_error"] is not None]
     model = [a["model_error"] for a in paired]
+    counted = [a for a in audits if a["counted"]]
+    ts = [a["bias_t"] for a in counted if a["bias_t"] is not None]
+    plain = [s["wall_s"] - s["audit_s"] for s in run["step_times"]]  # each step's time without its audit
+    audit_seconds = [a["seconds"] for a in audits if a["kind"] != "no signal"]  # no gradient pass without signal
+    exact = [a["rel_error"] for a in audits if a["kind"] == "exact" and a["rel_error"] is not None]
     return {
         "design": run["design"],
         "keep_rate": run["keep_rate"],
         "seed": run["seed"],
         "kept_fraction": run["kept_fraction"],
         "audits": len(audits),
+        "no_signal": run["no_signal"],
+        "counted": len(counted),
+        "exact_batches": len(exact),
+        "max_exact_rel_error": max(exact, default=None),  # every row that counts kept: float rounding only
         "median_cosine": statistics.median(cosines) if cosines else None,
         "mean_rel_error": statistics.mean(errors) if errors else None,
         "mean_model_error": statistics.mean(model) if model else None,
         "median_noise_to_signal": statistics.median(ratios) if ratios else None,
-        "final_bias_z": run["final_bias_z"],
-        "max_bias_z": max((a["bias_z"] for a in audits if a["bias_z"] is not None), default=None),
+        "mean_projection": statistics.mean(a["projection"] for a in counted) if counted else None,
+        "final_bias_t": ts[-1] if ts else None,
+        "max_abs_bias_t": max((abs(t) for t in ts), default=None),
+        "alarm_at": run["alarm_at"],
+        "audit_s": statistics.mean(audit_seconds) if audit_seconds else None,
+        "step_s": statistics.mean(plain) if plain else None,
+        "audit_per_step": statistics.mean(audit_seconds) / statistics.mean(plain) if audit_seconds and plain else None,
         "audit_share": run["audit_s"] / (run["wall_s"] - run["audit_s"]),
         "sketch_dim": run["sketch"]["dim"],
         "exact": run["sketch"]["exact"],
     }
 
 
+# ------------------------------------------------------------------ the bias alarm's false-alarm rate, simulated
+
+
+def simulated_batch(generator: torch.Generator, geometry: tuple, groups: int = 4, group_size: int = 8, dim: int = 48):
+    """One generation batch of ``groups x group_size`` rows as the audit sees it, in exact linear form: TRL's
+    group-normalized advantages ``A`` (exactly 0 on zero-spread groups) of binary or partial-credit (thirds)
+    rewards, token lengths, and per-row score-function vectors ``h_n`` (``sqrt(L_n)`` times a shared, a per-group
+    and an own direction, the own one with log-normal norm, plus a direction shared by the rewarded rows: the
+    ``geometry``), so that GRPO's gradient is ``sum A_n h_n`` and DPPO's ``sum w_n A_n h_n``."""
+    shared_scale, group_scale, spread, reward_scale = geometry
+    f64 = dict(generator=generator, dtype=torch.float64)
+    rate = torch.rand(groups, 1, **f64)
+    if float(torch.rand((), **f64)) < 0.5:
+        rewards = (torch.rand(groups, group_size, **f64) < rate).double()
+    else:
+        rewards = torch.floor(torch.rand(groups, group_size, **f64) * 4) / 3 * (torch.rand(groups, 1, **f64) < 0.8)
+    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)
+    spread_rows = (rewards.amax(1) > rewards.amin(1)).repeat_interleave(group_size)
+    advantages = torch.where(spread_rows, ((rewards - mean) / (std + 1e-4)).flatten(), 0.0)
+    n = groups * group_size
+    lengths = torch.randint(4, 40, (n,), generator=generator).double()
+    group_of = torch.arange(n) // group_size
+    shared, per_group = torch.randn(dim, **f64), torch.randn(groups, dim, **f64)
+    own = torch.randn(n, dim, **f64) * torch.exp(spread * torch.randn(n, 1, **f64))
+    h = shared_scale * shared + group_scale * per_group[group_of] + own
+    h = h + reward_scale * rewards.flatten()[:, None] * shared
+    return advantages, lengths, group_of, rewards.flatten(), h * lengths.sqrt()[:, None]
+
+
+def simulated_projections(design: str, keep_rate: float, audits: int, seed: int) -> list[float]:
+    """The projections ``r`` that ``audits`` counted audits of one seeded run feed to the bias statistic: the
+    package's own design (``get_design``, default ``keep_floor``) on simulated batches of one random geometry
+    (``simulated_batch``), with the trainer's rules (a batch without signal, or with every row that counts kept
+    at weight 1, is not counted)."""
+    from dppo_trl.config import _DEFAULT_KEEP_FLOOR
+    from dppo_trl.estimator import horvitz_thompson_weights
+    from dppo_trl.pruning import PruneProblem, get_design
+
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.rand(4, generator=generator, dtype=torch.float64)
+    geometry = (2 * float(u[0]), 2 * float(u[1]), float(u[2]), 3 * float(u[3]))
+    out = []
+    while len(out) < audits:
+        advantages, lengths, groups, rewards, h = simulated_batch(generator, geometry)
+        counts = advantages != 0
+        if not bool(counts.any()):
+            continue
+        problem = PruneProblem(advantages=advantages, costs=lengths, groups=groups, rewards=rewards,
+                               keep_rate=keep_rate, keep_floor=_DEFAULT_KEEP_FLOOR)  # fmt: skip
+        keep, pi = get_design(design)(problem, generator)
+        weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
+        if bool((weights[counts] == 1).all()):
+            continue
+        grpo, dppo = advantages @ h, (weights * advantages) @ h
+        out.append(float((dppo - grpo) @ grpo) / float(grpo @ grpo))
+    return out
+
+
+def first_alarm(projections: list[float]) -> int | None:
+    """The counted audit at which the bias alarm first fires (checked at every audit, as the trainer does)."""
+    from dppo_trl.audit import bias_alarm
+
+    return next((n for n in range(1, len(projections) + 1) if bias_alarm(projections[:n])), None)
+
+
+def alarm_simulation(seeds: int, looks: int, designs: list[str], keep_rate: float) -> dict:
+    """Per design: in how many of ``seeds`` seeded runs the alarm fires within 24 and within ``looks`` counted
+    audits, and at which audit it first fires (median, for the biased designs)."""
+    from dppo_trl.audit import BIAS_ALARM_MIN_AUDITS, BIAS_ALARM_T
+    from dppo_trl.pruning import unbiased_designs
+
+    results = []
+    for design in designs:
+        start = time.perf_counter()
+        alarms = [first_alarm(simulated_projections(design, keep_rate, looks, seed)) for seed in range(seeds)]
+        fired = [a for a in alarms if a is not None]
+        results.append({"design": design, "unbiased": design in unbiased_designs(), "keep_rate": keep_rate,
+                        "seeds": seeds, "looks": looks, "alarm_within_24": sum(a <= 24 for a in fired) / seeds,
+                        f"alarm_within_{looks}": len(fired) / seeds,
+                        "median_alarm_at": statistics.median(fired) if fired else None,
+                        "seconds": time.perf_counter() - start})  # fmt: skip
+        print(results[-1], flush=True)
+    return {"threshold": BIAS_ALARM_T, "min_audits": BIAS_ALARM_MIN_AUDITS, "rows": results}
+
+
 def real_setup(a) -> dict:
-    """bench_real.py's SmolLM2 + LoRA setup on chain_sum."""
-    return bench_real.prepare_setup(argparse.Namespace(
+    """bench_real.py's SmolLM2 + LoRA setup on chain_sum, with the recipe's LoRA dropout (TRL's default, 0.05)."""
+    from peft import LoraConfig
+
+    setup = bench_real.prepare_setup(argparse.Namespace(
         task="chain_sum", answer_format="last_number", task_seed=0, train_prompts=32, heldout=1, eval_every=10**6,
         steps=a.steps, prompts_per_step=a.prompts_per_step, max_completion_length=a.max_completion_length,
         learning_rate=2e-4, vllm=False))  # fmt: skip
+    peft_config = LoraConfig(**bench_real.LORA, lora_dropout=LORA_DROPOUT, task_type="CAUSAL_LM")
+    return dict(setup, trainer_kwargs=dict(setup["trainer_kwargs"], peft_config=peft_config))
 
 
 def countdown_setup(a) -> dict:
@@ -130,41 +278,82 @@ def fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
+def table(rows: list[dict]) -> str:
+    header = ["design", "keep rate", "kept", "seed", "audits (counted)", "median cosine", "mean rel. error",
+              "mean model error", "median measured/model", "mean projection", "final bias t", "alarm at",
+              "audit s / step s"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for r in rows:
+        cells = [r["design"], str(r["keep_rate"]), f"{r['kept_fraction']:.3f}", str(r["seed"]),
+                 f"{r['audits']} ({r['counted']})", fmt(r["median_cosine"]), fmt(r["mean_rel_error"]),
+                 fmt(r["mean_model_error"]), fmt(r["median_noise_to_signal"], ".2f"), fmt(r["mean_projection"]),
+                 fmt(r["final_bias_t"], ".2f"), "-" if r["alarm_at"] is None else str(r["alarm_at"]),
+                 f"{fmt(r['audit_s'], '.1f')} / {fmt(r['step_s'], '.1f')}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", default=["stratified@0.5", "stratified@0.25", "topk@0.25"],
+    parser.add_argument("--runs", nargs="+", default=["stratified@0.3", "topk@0.3"],
                         help="DESIGN@KEEP_RATE of each run")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step (x 8 completions)")
     parser.add_argument("--max-completion-length", type=int, default=16)
-    parser.add_argument("--task", default="chain_sum", choices=["chain_sum", "countdown"],
-                        help="chain_sum: bench_real's real model; countdown: bench_reasoning's warm-started tiny Qwen2")
+    parser.add_argument("--task", default="chain_sum", choices=["chain_sum", "countdown", "alarm"],
+                        help="chain_sum: bench_real's real model; countdown: bench_reasoning's warm-started tiny "
+                        "Qwen2; alarm: the bias alarm's false-alarm rate and topk's detection on simulated batches")
+    parser.add_argument("--sim-seeds", type=int, default=500, help="--task alarm: seeded runs per design")
+    parser.add_argument("--sim-looks", type=int, default=100, help="--task alarm: counted audits per run")
     parser.add_argument("--json", default="benchmarks/results/bench_audit.json")
-    parser.add_argument("--from-json", default=None, help="train nothing: summarize the runs of a saved JSON")
+    parser.add_argument("--from-json", nargs="+", default=None,
+                        help="train nothing: summarize the runs of saved JSONs (several: runs made side by side, "
+                        "merged)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 on a CPU shared with other jobs)")
     a = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+
+    def save(runs, elapsed, config):
+        rows = [summary(run) for run in runs]
+        Path(a.json).write_text(json.dumps({"config": config, "elapsed_s": elapsed, "rows": rows, "runs": runs},
+                                           indent=1))  # fmt: skip
+        return rows
+
+    if a.task == "alarm" and a.from_json:  # simulations made side by side (e.g. a slow design with fewer seeds)
+        saved = [json.loads(Path(path).read_text()) for path in a.from_json]
+        result = dict(saved[0], rows=[row for one in saved for row in one["rows"]],
+                      commands=[one["config"] for one in saved], elapsed_s=max(one["elapsed_s"] for one in saved))
+        result.pop("config")
+        Path(a.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.json}")
+        return result["rows"]
+    if a.task == "alarm":
+        specs = [(spec.split("@")[0], float(spec.split("@")[1])) for spec in a.runs]
+        start = time.perf_counter()
+        result = {"config": vars(a), **alarm_simulation(a.sim_seeds, a.sim_looks, [d for d, _ in specs], specs[0][1])}
+        result["elapsed_s"] = time.perf_counter() - start
+        Path(a.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.json}")
+        return result["rows"]
     if a.from_json:
-        saved = json.loads(Path(a.from_json).read_text())
-        runs, elapsed, config = saved["runs"], saved["elapsed_s"], saved["config"]
+        saved = [json.loads(Path(path).read_text()) for path in a.from_json]
+        runs = [run for one in saved for run in one["runs"]]
+        elapsed = max(one["elapsed_s"] for one in saved)  # side by side: the longest
+        config = dict(saved[0]["config"], runs=[f"{run['design']}@{run['keep_rate']}" for run in runs])
     else:
         setup = real_setup(a) if a.task == "chain_sum" else countdown_setup(a)
         start = time.perf_counter()
         specs = [(spec.split("@")[0], float(spec.split("@")[1])) for spec in a.runs]
-        runs = [audit_run(design, keep, seed, setup) for seed in a.seeds for design, keep in specs]
-        elapsed, config = time.perf_counter() - start, vars(a)
-    rows = [summary(run) for run in runs]
-    print("| design | keep rate | kept | seed | audits | median cosine | mean rel. error | mean model error "
-          "| median measured/model | final bias z | max bias z | audit time / rest |")
-    print("|---" * 12 + "|")
-    for r in rows:
-        print(f"| {r['design']} | {r['keep_rate']} | {r['kept_fraction']:.3f} | {r['seed']} | {r['audits']} "
-              f"| {fmt(r['median_cosine'])} | {fmt(r['mean_rel_error'])} "
-              f"| {fmt(r['mean_model_error'])} | {fmt(r['median_noise_to_signal'], '.2f')} "
-              f"| {fmt(r['final_bias_z'], '.2f')} | {fmt(r['max_bias_z'], '.2f')} | {fmt(r['audit_share'], '.2f')} |")
-    result = {"config": config, "elapsed_s": elapsed, "rows": rows, "runs": runs}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=1))
+        runs, config = [], vars(a)
+        for seed in a.seeds:
+            for design, keep in specs:
+                runs.append(audit_run(design, keep, seed, setup))
+                save(runs, time.perf_counter() - start, config)  # a record after every run
+        elapsed = time.perf_counter() - start
+    rows = save(runs, elapsed, config)
+    print(table(rows))
     print(f"wrote {a.json}")
     return rows
 

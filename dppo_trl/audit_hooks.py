@@ -1,12 +1,16 @@
 """The online gradient audit's hooks of ``DPPOTrainer`` (``audit_every > 0``): on an audited generation batch,
 before its first optimizer step, GRPO's gradient of the whole batch (every row, TRL's own loss, log-prob passes
 and micro-batches) and DPPO's (its kept, weighted micro-batches), both sketched, compared and fed to the running
-bias statistic. Training is untouched: gradients come from ``torch.autograd.grad`` (no ``.grad``), the RNG, the
-logged metrics and the loss state are restored. The math is in ``dppo_trl.audit``."""
+bias statistic. Both gradient passes run with dropout off (``audit.dropout_disabled``), so with every row kept
+they differ by float rounding only; the log-prob passes GRPO needs reuse DPPO's values on the rows DPPO kept.
+Training is untouched: the RNG is forked and restored, ``.grad`` is left as it was (``torch.autograd.grad``, or
+under reentrant checkpointing a backward into emptied ``.grad`` slots that are put back), and the dropout
+settings, logged metrics and loss state are restored. The math is in ``dppo_trl.audit``."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import statistics
 import time
@@ -16,10 +20,13 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from .audit import (
-    RunningMoments,
+    BIAS_ALARM_MIN_AUDITS,
+    BIAS_ALARM_T,
     audited_batch,
-    bias_z,
+    bias_alarm,
+    bias_t,
     compare_gradients,
+    dropout_disabled,
     make_sketch,
     measured_error_scale,
     sketch_gradients,
@@ -27,8 +34,15 @@ from .audit import (
 from .batch import loss_mask
 from .pruning import vllm_importance_sampling_ratio
 
+logger = logging.getLogger(__name__)
+
 # Trainer state that a loss pass may change (TRL's adaptive entropy controller, DPPO's entropy mask).
 _LOSS_STATE = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats", "_last_entropy_mask")
+
+# What an audited batch is, decided when it is generated (the same on every rank: from the gathered scores).
+_NO_SIGNAL = "no signal"  # every score exactly 0 and no term without A: both gradients are float residue
+_EXACT = "exact"  # every row that counts kept at weight 1: DPPO's estimate is GRPO's gradient in exact arithmetic
+_PRUNED = "pruned"
 
 
 class GradientAuditHooks:
@@ -36,14 +50,17 @@ class GradientAuditHooks:
 
     _in_grpo_reference = False  # True while the audit runs GRPO's own passes (TRL's padded path)
     _audit_reference: dict | None = None  # the audited batch's rows as GRPO has them, until the audit runs
+    _audit_kind: str | None = None  # _NO_SIGNAL, _EXACT or _PRUNED, for the batch in _audit_reference
     _audit_sketch = None
-    _audit_moments = RunningMoments()
+    _audit_reference_seconds = 0.0
 
     def _audit_records(self) -> dict:
-        """Per-run audit results: cosines, measured-to-model error ratios, bias z values (for the summary line and
-        the measured adaptive keep rate)."""
+        """Per-run audit results: audits run, batches without signal, cosines, measured-to-model error ratios, the
+        projections that enter the bias statistic, its t after each, the counted audit at which it first alarmed
+        (for the summary line, the measured adaptive keep rate and checkpoints)."""
         if "_audit_log" not in self.__dict__:
-            self._audit_log = {"cosine": [], "ratio": [], "bias_z": []}
+            self._audit_log = {"audits": 0, "no_signal": 0, "cosine": [], "ratio": [], "projection": [],
+                               "bias_t": [], "alarm_at": None}  # fmt: skip
         return self._audit_log
 
     def _audit_this_batch(self) -> bool:
@@ -65,20 +82,58 @@ class GradientAuditHooks:
         finally:
             self._in_grpo_reference = False
 
+    def _audit_batch_kind(self, rows: dict) -> str:
+        """``_NO_SIGNAL`` when every row's pruning score is exactly 0 (the trainer's ``_global_scores``: zero-spread
+        groups score 0 whatever TRL's float32 A, e.g. 6e-4 for equal rewards of 0.7) and no per-row term without
+        A is on (``beta == 0``, no entropy bonus); ``_EXACT`` when every row that counts (score != 0, or every row
+        with a loss token when such a term is on) is kept at weight 1 on every rank; else ``_PRUNED``."""
+        scores = self._global_scores({"advantages": rows["advantages"]})
+        without_a = self.beta != 0.0 or bool(getattr(self, "_entropy_bonus_enabled", False))
+        if not without_a and bool((scores == 0).all()):
+            return _NO_SIGNAL
+        local = scores[self._local(rows["advantages"].size(0))].to(rows["dppo_keep"].device)
+        counts = loss_mask(rows).sum(1) > 0 if without_a else local != 0
+        missed = counts & ~(rows["dppo_keep"] & (rows["dppo_weight"] == 1))
+        missed = self.accelerator.reduce(missed.sum().reshape(1).to(self.accelerator.device), reduction="sum")
+        return _EXACT if int(missed) == 0 else _PRUNED
+
     @torch.no_grad()
-    def _build_grpo_reference(self, rows: dict, calls: list) -> None:
-        """GRPO's version of this rank's rows of the generation batch (before any rank exchange): the deferred
-        old-policy and reference passes on every row, through TRL's own forward in TRL's chunks of
-        ``per_device_train_batch_size``, and the vLLM IS ratio rebuilt from them. Kept as ``_audit_reference``."""
+    def _build_grpo_reference(self, rows: dict, calls: list, output: dict | None = None) -> None:
+        """GRPO's version of this rank's rows of the generation batch (before any rank exchange), kept as
+        ``_audit_reference``: the deferred old-policy and reference passes, through TRL's own forward in TRL's
+        chunks of ``per_device_train_batch_size``, and the vLLM IS ratio rebuilt from them. A row DPPO kept on
+        this rank takes DPPO's log-probs (one dropout draw, so with every row kept the two gradients agree to
+        float rounding); the others are forwarded (on one process only those; with several, every row, so that
+        every rank makes the same forward calls). DPPO's values are read from ``output`` (the batch after the
+        rank exchange and DPPO's passes, where a kept row that stayed keeps its index) or, without it, from
+        ``rows`` itself, whose tensors DPPO's passes fill in place unless rows moved between ranks (then they
+        still hold TRL's zero placeholders, and every row is forwarded)."""
+        start = time.perf_counter()
+        self._audit_kind = self._audit_batch_kind(rows)
+        if self._audit_kind == _NO_SIGNAL:
+            self._audit_reference, self._audit_reference_seconds = {}, time.perf_counter() - start
+            return
+        local_rows = rows["advantages"].size(0)
+        names = self._deferred_pass_names(calls)
+        dppo_rows = rows if output is None else output
+        kept = dppo_rows["dppo_keep"][:local_rows]
+        if output is None and bool(kept.any()) and not all(bool((rows[n][kept] != 0).any()) for n in names):
+            kept = torch.zeros_like(kept)  # rows moved: DPPO's values are not in these tensors
         rows = {k: v for k, v in rows.items() if k not in ("dppo_keep", "dppo_weight")}
-        input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
-        attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+        one_process = self.accelerator.num_processes == 1
+        forward = (~kept).nonzero().flatten() if one_process else torch.arange(local_rows, device=kept.device)
+        input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)[forward]
+        attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)[forward]
         logits_to_keep, size = rows["completion_ids"].size(1), self.args.per_device_train_batch_size
         with torch.random.fork_rng(devices=self._audit_rng_devices()), self._grpo_reference():
-            for name, model in zip(self._deferred_pass_names(calls), calls):
-                model, adapter = self._deferred_pass_model(name, model)
-                with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), adapter:
-                    rows[name] = self._logps_of(model, input_ids, attention_mask, logits_to_keep, size)
+            for name, model in zip(names, calls):
+                values = dppo_rows[name][:local_rows].clone()
+                if forward.numel():
+                    model, adapter = self._deferred_pass_model(name, model)
+                    with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), adapter:
+                        logps = self._logps_of(model, input_ids, attention_mask, logits_to_keep, size).to(values.dtype)
+                    values[forward] = torch.where(kept[forward, None], values[forward], logps)
+                rows[name] = values
         if "importance_sampling_ratio" in rows:
             rows["importance_sampling_ratio"] = vllm_importance_sampling_ratio(
                 rows["old_per_token_logps"], rows["sampling_per_token_logps"], loss_mask(rows),
@@ -86,14 +141,22 @@ class GradientAuditHooks:
                 self.vllm_importance_sampling_clip_max,
             ).to(rows["importance_sampling_ratio"].dtype)  # fmt: skip
         self._audit_reference = rows
+        self._audit_reference_seconds = time.perf_counter() - start
 
     def _audit_generation_batch(self, shuffle_rng_state: torch.Tensor) -> None:
         """Compare GRPO's and DPPO's gradients of the batch just prepared, at the current parameters. GRPO's
-        micro-batches are TRL's: its shuffle (from the RNG state it drew from, ``shuffle_rng_state``) and split."""
+        micro-batches are TRL's: its shuffle (from the RNG state it drew from, ``shuffle_rng_state``) and split.
+        A batch without signal is counted and not compared (no gradient pass; only its seconds are logged)."""
         reference, self._audit_reference = self._audit_reference, None
         if reference is None:
             return
-        start = time.perf_counter()
+        records = self._audit_records()
+        records["audits"] += 1
+        if self._audit_kind == _NO_SIGNAL:  # its cost: telling it apart
+            records["no_signal"] += 1
+            self._metrics["train"]["dppo/audit_seconds"].append(self._audit_reference_seconds)
+            return
+        start = time.perf_counter() - self._audit_reference_seconds  # the reference's log-prob passes count too
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(shuffle_rng_state)
             reference = shuffle_sequence_dict(reference)
@@ -104,7 +167,8 @@ class GradientAuditHooks:
     def _audited_gradients(self, grpo_batches: list[dict], dppo_batches: list[dict]) -> tuple:
         """The sketched sums, over each list of micro-batches, of the gradient of what ``training_step`` back-
         propagates (TRL's ``compute_loss``, which scales for accumulation itself), reduced over ranks as DDP
-        reduces the gradient (a mean); RNG, logged metrics and loss state as they were before."""
+        reduces the gradient (a mean); both with dropout off (``model.training`` stays True); RNG, dropout
+        settings, logged metrics and loss state as they were before."""
         model = self.accelerator.unwrap_model(self.model)
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if self._audit_sketch is None:
@@ -113,7 +177,7 @@ class GradientAuditHooks:
         saved_metrics = {key: list(values) for key, values in self._metrics["train"].items()}
         saved_state = {name: getattr(self, name) for name in _LOSS_STATE if hasattr(self, name)}
         try:
-            with torch.random.fork_rng(devices=self._audit_rng_devices()):
+            with torch.random.fork_rng(devices=self._audit_rng_devices()), dropout_disabled(self.model):
                 with self._grpo_reference():
                     grpo = self._sketched_gradient(model, params, grpo_batches)
                 dppo = self._sketched_gradient(model, params, dppo_batches)
@@ -122,22 +186,25 @@ class GradientAuditHooks:
             self._metrics["train"].update(saved_metrics)
             for name, value in saved_state.items():
                 setattr(self, name, value)
-        both = self.accelerator.reduce(torch.stack([grpo, dppo]), reduction="mean")
+        if self.accelerator.num_processes == 1:
+            return grpo, dppo
+        both = self.accelerator.reduce(torch.stack([grpo, dppo]).to(self.accelerator.device), reduction="mean")
         return both[0].cpu(), both[1].cpu()
 
     def _sketched_gradient(self, model, params, batches) -> torch.Tensor:
-        total = None
+        total = torch.zeros(self._audit_sketch.dim, dtype=torch.float64)  # on the CPU
         for batch in batches:
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, batch)
             grads = self._gradients_of(loss, [p for _, p in params])
-            sketch = sketch_gradients(self._audit_sketch, [(n, g, p.numel()) for (n, p), g in zip(params, grads)])
-            total = sketch if total is None else total + sketch
+            sketch_gradients(self._audit_sketch, [(n, g, p.numel()) for (n, p), g in zip(params, grads)], out=total)
+            del grads, loss
         return total
 
     def _gradients_of(self, loss, params: list) -> list:
-        """``d loss / d params`` with every ``.grad`` left as it was: ``torch.autograd.grad``; under reentrant
-        gradient checkpointing, which refuses it, a backward into emptied ``.grad`` slots that are then put back."""
+        """``d loss / d params``, every ``.grad`` as it was after: ``torch.autograd.grad``; under reentrant
+        gradient checkpointing, which refuses it, a backward into emptied ``.grad`` slots, whose gradients are
+        taken out before the saved ``.grad`` tensors are put back."""
         kwargs = self.args.gradient_checkpointing_kwargs or {}
         if not (self.args.gradient_checkpointing and kwargs.get("use_reentrant")):
             return torch.autograd.grad(loss, params, allow_unused=True)
@@ -152,33 +219,62 @@ class GradientAuditHooks:
                 p.grad = grad
 
     def _record_audit(self, dppo: torch.Tensor, grpo: torch.Tensor, seconds: float) -> None:
-        """Log this audit (``dppo/audit_*``) and update the run's bias statistic."""
+        """Log this audit (``dppo/audit_*``) and update the run's bias statistic: the projection enters it unless
+        DPPO's estimate of this batch is GRPO's gradient in exact arithmetic (``_EXACT``: its projection is
+        float rounding, which has no mean-zero guarantee)."""
         records, metrics = self._audit_records(), self._metrics["train"]
-        self._audit_moments = self._audit_moments.update(dppo - grpo)
         comparison = compare_gradients(dppo, grpo)
         if comparison is not None:
             metrics["dppo/audit_cosine"].append(comparison["cosine"])
             metrics["dppo/audit_rel_error"].append(comparison["rel_error"])
+            metrics["dppo/audit_projection"].append(comparison["projection"])
             records["cosine"].append(comparison["cosine"])
             model_error = None if self._prune_summary is None else self._prune_summary[1]
             if model_error:
                 ratio = comparison["rel_error"] / model_error
                 metrics["dppo/audit_noise_to_signal"].append(ratio)
                 records["ratio"].append(ratio)
-        z = bias_z(self._audit_moments)
-        if z is not None:
-            metrics["dppo/audit_bias_z"].append(z)
-            records["bias_z"].append(z)
+            if self._audit_kind == _PRUNED:
+                self._add_to_bias_statistic(comparison["projection"])
         metrics["dppo/audit_seconds"].append(seconds)
 
+    def _add_to_bias_statistic(self, projection: float) -> None:
+        records, metrics = self._audit_records(), self._metrics["train"]
+        records["projection"].append(projection)
+        t = bias_t(records["projection"])
+        if t is None:
+            return
+        records["bias_t"].append(t)
+        metrics["dppo/audit_bias_t"].append(t)
+        if records["alarm_at"] is None and bias_alarm(records["projection"]):
+            records["alarm_at"] = len(records["projection"])
+            logger.warning(
+                "DPPO gradient audit: bias alarm. After %d counted audits DPPO's gradient is %s GRPO's along GRPO's "
+                "own direction by %.1f%% on average (bias t %.2f, alarm beyond +-%.0f): prune_sampling=%r does not "
+                "estimate GRPO's gradient without bias on this run.", len(records["projection"]),
+                "shorter than" if t < 0 else "longer than", 100 * statistics.fmean(records["projection"]), t,
+                BIAS_ALARM_T, self.args.prune_sampling,
+            )  # fmt: skip
+        metrics["dppo/audit_bias_alarm"].append(float(records["alarm_at"] is not None))
+
     def _audit_summary(self) -> str | None:
-        """``audits N, median cosine C, worst bias z Z`` for the summary line; None without audits."""
+        """``audits N, median cosine C, bias t T over K audits`` and the alarm for the summary line; None without
+        audits."""
         records = self._audit_records()
-        if self._audit_moments.count == 0:  # counts an audit whose GRPO gradient was 0 too (no cosine then)
+        if records["audits"] == 0:
             return None
         cosine = f"{statistics.median(records['cosine']):.3f}" if records["cosine"] else "n/a"
-        worst = f"{max(records['bias_z']):.2f}" if records["bias_z"] else "n/a"
-        return f"audits {self._audit_moments.count}, median cosine {cosine}, worst bias z {worst}"
+        parts = [f"audits {records['audits']}", f"median cosine {cosine}"]
+        if records["no_signal"]:
+            parts.append(f"{records['no_signal']} without signal")
+        t, counted = bias_t(records["projection"]), len(records["projection"])
+        if t is not None:
+            parts.append(f"bias t {t:.2f} over {counted} audits")
+        if records["alarm_at"] is not None:
+            parts.append(f"BIAS ALARM (|t| > {BIAS_ALARM_T:g} at audit {records['alarm_at']})")
+        elif counted >= BIAS_ALARM_MIN_AUDITS:
+            parts.append(f"no bias alarm (|t| <= {BIAS_ALARM_T:g})")
+        return ", ".join(parts)
 
     _AUDIT_STATE_FILE = "dppo_audit.pt"
 
@@ -186,9 +282,7 @@ class GradientAuditHooks:
         super()._save_checkpoint(model, trial)
         if self.args.audit_every and self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            moments = self._audit_moments
-            torch.save({"records": self._audit_records(), "count": moments.count, "mean": moments.mean,
-                        "m2": moments.m2}, os.path.join(folder, self._AUDIT_STATE_FILE))  # fmt: skip
+            torch.save({"records": self._audit_records()}, os.path.join(folder, self._AUDIT_STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """A resumed run goes on with the audit history (the bias statistic, the measured/model ratios that
@@ -196,9 +290,9 @@ class GradientAuditHooks:
         super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, self._AUDIT_STATE_FILE) if checkpoint else None
         if self.args.audit_every and path and os.path.exists(path):
-            state = torch.load(path, weights_only=True)
-            self._audit_log = state["records"]
-            self._audit_moments = RunningMoments(state["count"], state["mean"], state["m2"])
+            saved = torch.load(path, weights_only=True)["records"]
+            records = self._audit_records()
+            records.update({k: v for k, v in saved.items() if k in records})
 
     def _audit_rng_devices(self) -> list:
         return [self.accelerator.device] if self.accelerator.device.type == "cuda" else []

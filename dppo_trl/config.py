@@ -119,8 +119,9 @@ class DPPOConfig(GRPOConfig):
             "help": "What `adaptive_keep_error` bounds: 'model' (default), the model-based `dppo/pruning_error`; "
             "'audit', the measured relative error of the gradient audit (`audit_every > 0`): the model-based "
             "target is divided by the median ratio of measured to model-based error over the batches audited so "
-            "far (1 before the first audit), so each batch's keep rate still depends only on earlier batches and "
-            "its own scores, never on its own draw. Used with `adaptive_keep_error`.",
+            "far that pruned (1 before the first; a batch kept whole or without signal has no ratio), so each "
+            "batch's keep rate still depends only on earlier batches and its own scores, never on its own draw. "
+            "Used with `adaptive_keep_error`.",
             "choices": list(ADAPTIVE_ERROR_SOURCES),
         },
     )
@@ -129,11 +130,12 @@ class DPPOConfig(GRPOConfig):
         metadata={
             "help": "Online gradient audit: every this many generation batches (the same batches on every rank, "
             "from `seed` and the training position), before the batch's first optimizer step, GRPO's gradient of "
-            "the whole batch and DPPO's of its kept rows are computed at the current parameters (no `.grad`, no "
-            "RNG or optimizer state touched) and compared: `dppo/audit_cosine`, `dppo/audit_rel_error`, "
-            "`dppo/audit_noise_to_signal` (measured over model-based error), `dppo/audit_bias_z` (the running "
-            "bias statistic), `dppo/audit_seconds`. Costs about (1 + keep) / (keep x audit_every) of DPPO's "
-            "training compute. 0 (default): off. See docs/usage.md.",
+            "the whole batch and DPPO's of its kept rows are computed at the current parameters, both with dropout "
+            "off, and compared: `dppo/audit_cosine`, `dppo/audit_rel_error`, `dppo/audit_noise_to_signal` "
+            "(measured over model-based error), `dppo/audit_projection` and `dppo/audit_bias_t` (the bias "
+            "statistic along GRPO's gradient; `dppo/audit_bias_alarm` once |t| > 4 from 8 counted audits), "
+            "`dppo/audit_seconds`. Training is unchanged (the RNG is forked and restored). 0 (default): off. Cost, "
+            "memory and the alarm's measured false-alarm rate: docs/usage.md, \"The gradient audit\".",
         },
     )
     audit_sketch_dim: int = field(
@@ -141,7 +143,7 @@ class DPPOConfig(GRPOConfig):
         metadata={
             "help": "Directions of the audit's random sketch (a CountSketch of every trainable parameter's "
             "gradient, seeded, the same on every rank) when there are more than `audit_exact_params` trainable "
-            "parameters: norms and cosines within about sqrt(2 / k) relative, and no gradient copy is stored. "
+            "parameters: norms and cosines within about sqrt(2 / k) relative; the audit keeps two k-vectors. "
             "Used with `audit_every > 0`.",
         },
     )
@@ -149,8 +151,9 @@ class DPPOConfig(GRPOConfig):
         default=_DEFAULT_AUDIT_EXACT_PARAMS,
         metadata={
             "help": "Up to this many trainable parameters (default 8,388,608: e.g. LoRA r=16 on every linear layer "
-            "of SmolLM2-135M, 4.9M), the audit compares the gradients exactly (float64 copies on the CPU, four "
-            "vectors of this size). 0: always sketch. Used with `audit_every > 0`.",
+            "of SmolLM2-135M, 4.9M), the audit compares the gradients exactly (GRPO's and DPPO's sums as float64 "
+            "vectors of this size on the CPU, a third while comparing them). 0: always sketch. Used with "
+            "`audit_every > 0`.",
         },
     )
     prune_seed: int | None = field(

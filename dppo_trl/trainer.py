@@ -253,7 +253,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         output = self._balance_ranks(output)
         self._run_deferred_logps(output, calls, output["dppo_keep"])
         if audit_rows is not None:
-            self._build_grpo_reference(audit_rows, calls)
+            self._build_grpo_reference(audit_rows, calls, output)
         output["dppo_weight"] = output["dppo_weight"].to(torch.float32)
         return output
 
