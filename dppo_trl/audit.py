@@ -143,6 +143,21 @@ def _dropout_attributes(obj) -> list[str]:
             if ("dropout" in name or name.endswith("pdrop")) and _is_rate(value)]  # fmt: skip
 
 
+def _dropout_holders(model: torch.nn.Module) -> list:
+    """Every module of ``model`` and every model config on them: where dropout rates are kept."""
+    holders = list(model.modules())
+    holders += list({id(c): c for m in holders if (c := getattr(m, "config", None)) is not None and
+                     hasattr(c, "__dict__") and not isinstance(c, torch.nn.Module)}.values())  # fmt: skip
+    return holders
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` in train mode draws dropout: a ``torch.nn.Dropout``-family module with
+    ``p > 0``, or a non-zero dropout rate on a module or a model config."""
+    modules = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    return bool(modules) or any(_dropout_attributes(obj) for obj in _dropout_holders(model))
+
+
 @contextlib.contextmanager
 def dropout_disabled(model: torch.nn.Module):
     """Dropout off in ``model`` while inside, every setting restored after; ``model.training`` stays as it is.
@@ -152,10 +167,8 @@ def dropout_disabled(model: torch.nn.Module):
     while training) or on a model config, is set to 0."""
     dropouts = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
     saved_dropouts = [(m, m.training, m.p) for m in dropouts]
-    holders = list(model.modules())
-    holders += list({id(c): c for m in holders if (c := getattr(m, "config", None)) is not None and
-                     hasattr(c, "__dict__") and not isinstance(c, torch.nn.Module)}.values())  # fmt: skip
-    saved_rates = [(obj, name, getattr(obj, name)) for obj in holders for name in _dropout_attributes(obj)]
+    saved_rates = [(obj, name, getattr(obj, name)) for obj in _dropout_holders(model)
+                   for name in _dropout_attributes(obj)]  # fmt: skip
     try:
         for module in dropouts:
             module.training, module.p = False, 0.0

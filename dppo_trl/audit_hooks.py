@@ -27,6 +27,7 @@ from .audit import (
     bias_t,
     compare_gradients,
     dropout_disabled,
+    has_dropout,
     make_sketch,
     measured_error_scale,
     sketch_gradients,
@@ -102,8 +103,9 @@ class GradientAuditHooks:
         """GRPO's version of this rank's rows of the generation batch (before any rank exchange), kept as
         ``_audit_reference``: the deferred old-policy and reference passes, through TRL's own forward in TRL's
         chunks of ``per_device_train_batch_size``, and the vLLM IS ratio rebuilt from them. A row DPPO kept on
-        this rank takes DPPO's log-probs (one dropout draw, so with every row kept the two gradients agree to
-        float rounding); the others are forwarded (on one process only those; with several, every row, so that
+        this rank takes DPPO's log-probs where the model has dropout (one dropout draw, so with every row kept the
+        two gradients agree to float rounding; without dropout every row is forwarded, TRL's values exactly);
+        the others are forwarded (on one process only those; with several, every row, so that
         every rank makes the same forward calls). DPPO's values are read from ``output`` (the batch after the
         rank exchange and DPPO's passes, where a kept row that stayed keeps its index) or, without it, from
         ``rows`` itself, whose tensors DPPO's passes fill in place unless rows moved between ranks (then they
@@ -119,6 +121,8 @@ class GradientAuditHooks:
         kept = dppo_rows["dppo_keep"][:local_rows]
         if output is None and bool(kept.any()) and not all(bool((rows[n][kept] != 0).any()) for n in names):
             kept = torch.zeros_like(kept)  # rows moved: DPPO's values are not in these tensors
+        if not has_dropout(self.model):  # no draw to share: TRL's own padded passes, GRPO's values bit for bit
+            kept = torch.zeros_like(kept)
         rows = {k: v for k, v in rows.items() if k not in ("dppo_keep", "dppo_weight")}
         one_process = self.accelerator.num_processes == 1
         forward = (~kept).nonzero().flatten() if one_process else torch.arange(local_rows, device=kept.device)

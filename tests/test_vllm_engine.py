@@ -95,7 +95,8 @@ def test_keep_all_with_packing_gives_grpos_gradient_ratios_and_metrics(runs):
 
 def test_the_audit_of_a_vllm_run_gives_grpos_and_dppos_batch_gradients(runs):
     """Every batch of the keep-all run audited: its GRPO gradient (every row's old-policy pass and IS ratio rebuilt,
-    in each IS mode, TRL's padded passes) is GRPOTrainer's batch gradient, its DPPO gradient DPPO's own."""
+    in each IS mode, TRL's padded passes: the model has no dropout) is GRPOTrainer's batch gradient, its DPPO
+    gradient DPPO's own."""
     grpo, dppo = runs["grpo"], runs["dppo_keep_all"]
     assert len(dppo["audits"]) == COMPARED
     pairs = zip(dppo["audits"], batch_gradients(grpo, COMPARED), batch_gradients(dppo, COMPARED))
