@@ -59,6 +59,18 @@ def cpu_config(tmp_path, cls=None, **overrides):
 REWARDS = [random_reward, exact_answer_reward]
 
 
+def leave_without_destructors() -> None:
+    """End a torchrun worker without running destructors: freeing DDP's reducer frees its gloo process group,
+    whose destructor joins gloo's worker thread while holding the GIL, and that thread may still need the GIL to
+    free the last gather's tensors. Depending on when that happens, a finished rank hangs or aborts at exit (a
+    torch race: pytorch/pytorch#56297, #179291)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 class StopAt(TrainerCallback):
     """Saves a checkpoint at ``step`` and stops there: the first half of a kill-and-resume test."""
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import cpu_config, random_reward  # noqa: E402
+from conftest import cpu_config, leave_without_destructors, random_reward  # noqa: E402
 
 from dppo_trl import DPPOTrainer  # noqa: E402
 from dppo_trl.tasks.toy import addition_dataset, addition_pairs  # noqa: E402
@@ -163,10 +163,7 @@ def main(model_dir, out_dir, *runs):
         torch.save(params, Path(out_dir, f"{run}-params{rank}.pt"))
         AcceleratorState._reset_state()  # the next run's Accelerator reads its own DeepSpeed plugin
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
-    # As tests/multiprocess_worker.py: leave without destructors (a gloo process group freed at exit can hang).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_destructors()
 
 
 if __name__ == "__main__":

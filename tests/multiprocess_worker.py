@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import StopAt, cpu_config, random_reward  # noqa: E402
+from conftest import StopAt, cpu_config, leave_without_destructors, random_reward  # noqa: E402
 
 from dppo_trl import DPPOTrainer  # noqa: E402
 from dppo_trl.tasks.toy import addition_dataset, addition_pairs  # noqa: E402
@@ -238,13 +238,7 @@ def main(argv):
     if a.audit_sketch is not None:
         torch.save({"audits": trainer.audits, "steps": gradients.steps, "sketch": trainer._audit_sketch},
                    Path(a.out_dir, f"audit{rank}.pt"))  # fmt: skip
-    # Leave without running destructors: freeing DDP's reducer frees its gloo process group, whose destructor
-    # joins gloo's worker thread while holding the GIL, and that thread may still need the GIL to free the last
-    # gather's tensors. Depending on when that happens, a finished rank hangs or aborts at exit (a torch race:
-    # pytorch/pytorch#56297, #179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_destructors()
 
 
 if __name__ == "__main__":

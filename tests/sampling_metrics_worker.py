@@ -20,7 +20,7 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from conftest import Float64LogProbs, random_reward, rms_norm_in_input_dtype  # noqa: E402
+from conftest import Float64LogProbs, leave_without_destructors, random_reward, rms_norm_in_input_dtype  # noqa: E402
 from dppo_trl import DPPOConfig  # noqa: E402
 
 
@@ -59,10 +59,7 @@ def main(model_dir: str, out_dir: str, name: str) -> None:
     trainer.train()
     if trainer.accelerator.is_main_process:
         Path(out_dir, "log.json").write_text(json.dumps(trainer.state.log_history))
-    # As tests/multiprocess_worker.py: leave without destructors (gloo's exit race, pytorch/pytorch#56297).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_destructors()
 
 
 if __name__ == "__main__":
