@@ -43,7 +43,7 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
     from transformers import TrainerCallback
 
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.audit import compare_gradients, make_sketch
+    from dppo_trl.core.audit import compare_gradients, make_sketch
 
     class Recorded(DPPOTrainer):
         def _record_audit(self, dppo, grpo, seconds):
@@ -202,8 +202,8 @@ def simulated_projections(design: str, keep_rate: float, audits: int, seed: int)
     (``simulated_batch``), with the trainer's rules (a batch without signal, or with every row that counts kept
     at weight 1, is not counted)."""
     from dppo_trl.config import _DEFAULT_KEEP_FLOOR
-    from dppo_trl.estimator import horvitz_thompson_weights
-    from dppo_trl.pruning import PruneProblem, get_design
+    from dppo_trl.core.estimator import horvitz_thompson_weights
+    from dppo_trl.core.pruning import PruneProblem, get_design
 
     generator = torch.Generator().manual_seed(seed)
     u = torch.rand(4, generator=generator, dtype=torch.float64)
@@ -227,7 +227,7 @@ def simulated_projections(design: str, keep_rate: float, audits: int, seed: int)
 
 def first_alarm(projections: list[float]) -> int | None:
     """The counted audit at which the bias alarm first fires (checked at every audit, as the trainer does)."""
-    from dppo_trl.audit import bias_alarm
+    from dppo_trl.core.audit import bias_alarm
 
     return next((n for n in range(1, len(projections) + 1) if bias_alarm(projections[:n])), None)
 
@@ -235,8 +235,8 @@ def first_alarm(projections: list[float]) -> int | None:
 def alarm_simulation(seeds: int, looks: int, designs: list[str], keep_rate: float) -> dict:
     """Per design: in how many of ``seeds`` seeded runs the alarm fires within 24 and within ``looks`` counted
     audits, and at which audit it first fires (median, for the biased designs)."""
-    from dppo_trl.audit import BIAS_ALARM_MIN_AUDITS, BIAS_ALARM_T
-    from dppo_trl.pruning import unbiased_designs
+    from dppo_trl.core.audit import BIAS_ALARM_MIN_AUDITS, BIAS_ALARM_T
+    from dppo_trl.core.pruning import unbiased_designs
 
     results = []
     for design in designs:

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dppo_trl.packing import balance_ranks, rank_imbalance  # noqa: E402
-from dppo_trl.pruning import keep_probabilities, systematic_sample  # noqa: E402
+from dppo_trl.core.packing import balance_ranks, rank_imbalance  # noqa: E402
+from dppo_trl.core.pruning import keep_probabilities, systematic_sample  # noqa: E402
 
 
 def simulated_batch(world, rows_per_rank, group, generator):

@@ -1,4 +1,4 @@
-"""Cost of one draw of the ``balanced`` design (the cube method, ``dppo_trl.cube``) against ``stratified``, on
+"""Cost of one draw of the ``balanced`` design (the cube method, ``dppo_trl.core.cube``) against ``stratified``, on
 simulated generation batches of ``--rows`` rows in groups of ``--group`` (16): binary rewards at a per-group
 solve rate drawn uniformly (so some groups are zero-spread), TRL's group advantages, long-tailed completion
 lengths, ``completion_keep_rate`` 0.5 of the rows. One thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``).
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dppo_trl.pruning import PruneProblem, get_design  # noqa: E402
+from dppo_trl.core.pruning import PruneProblem, get_design  # noqa: E402
 
 
 def simulated_problem(rows: int, group: int, seed: int, keep_rate: float = 0.5) -> PruneProblem:

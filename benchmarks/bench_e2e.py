@@ -198,7 +198,7 @@ def run_one(name, settings, seed, setup):
     from trl import GRPOConfig, GRPOTrainer
 
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.callbacks import DPPOSummaryCallback
+    from dppo_trl.hooks.callbacks import DPPOSummaryCallback
 
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="dppo-bench-"),

@@ -92,7 +92,7 @@ def training_phase(trainer, batch, kind):
     from trl import GRPOTrainer
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-    from dppo_trl.packing import packed_allocation, plan_forward_calls
+    from dppo_trl.core.packing import packed_allocation, plan_forward_calls
 
     batch = {k: v.clone() for k, v in batch.items()}
     spg = trainer.args.steps_per_generation

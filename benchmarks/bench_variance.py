@@ -96,10 +96,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dppo_trl.config import _DEFAULT_KEEP_FLOOR, _DEFAULT_PROMPT_KEEP_FLOOR  # noqa: E402
-from dppo_trl.estimator import horvitz_thompson_weights  # noqa: E402
-from dppo_trl.packing import assign_microbatches, default_packed_tokens, packed_allocation  # noqa: E402
-from dppo_trl.prompts import prompt_acceptance_probabilities  # noqa: E402
-from dppo_trl.pruning import (  # noqa: E402
+from dppo_trl.core.estimator import horvitz_thompson_weights  # noqa: E402
+from dppo_trl.core.packing import assign_microbatches, default_packed_tokens, packed_allocation  # noqa: E402
+from dppo_trl.core.prompts import prompt_acceptance_probabilities  # noqa: E402
+from dppo_trl.core.pruning import (  # noqa: E402
     PruneProblem,
     adaptive_keep_rate,
     get_design,

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .estimator import SUPPORTED_LOSS_TYPES
-from .pruning import default_length_exponent, get_design, sampling_designs, unbiased_designs
+from .core.estimator import SUPPORTED_LOSS_TYPES
+from .core.pruning import default_length_exponent, get_design, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
 
@@ -75,7 +75,7 @@ class DPPOConfig(GRPOConfig):
             "sum to the group's (linear in rows: about 20 ms at 512 rows, 3 s at 65,536); all four exactly "
             "unbiased with 1/pi weights. 'topk': CPPO's biased rule, keep the largest |A| with no weights; "
             "'zero_variance': DAPO-style biased filter, drop groups whose rewards are all equal, no weights. Any "
-            "name registered with `dppo_trl.pruning.register_design` is accepted.",
+            "name registered with `dppo_trl.core.pruning.register_design` is accepted.",
             "choices": list(sampling_designs()),
         },
     )

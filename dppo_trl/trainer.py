@@ -17,13 +17,13 @@ pruning wired into its hooks.
 - ``get_high_entropy_mask``: the entropy filter's quantile, weighted.
 - ``_calculate_rewards``: remembers the rewards (rows whose A is 0 in exact arithmetic score 0; the
   ``zero_variance`` filter).
-- Prompt pruning: ``dppo_trl.prompt_hooks`` (the sampler, the schedule and progress bar that follow data
+- Prompt pruning: ``dppo_trl.hooks.prompt_pruning`` (the sampler, the schedule and progress bar that follow data
   progress in epoch-based runs, the sampler's state in checkpoints).
-- The gradient audit (``audit_every``): ``dppo_trl.audit_hooks`` (GRPO's and DPPO's gradients of an audited
+- The gradient audit (``audit_every``): ``dppo_trl.hooks.audit`` (GRPO's and DPPO's gradients of an audited
   generation batch at the same parameters, sketched and compared, training untouched).
 
-The math lives in ``dppo_trl.pruning``, ``dppo_trl.packing``, ``dppo_trl.prompts``, ``dppo_trl.metrics``,
-``dppo_trl.audit`` and ``dppo_trl.batch``; with
+The math lives in ``dppo_trl.core.pruning``, ``dppo_trl.core.packing``, ``dppo_trl.core.prompts``, ``dppo_trl.core.metrics``,
+``dppo_trl.core.audit`` and ``dppo_trl.core.batch``; with
 ``completion_keep_rate=1.0``, ``prompt_keep_rate=1.0`` and ``packing=False`` every hook is TRL's own.
 """
 
@@ -40,8 +40,8 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, use_adapter
 
-from .audit_hooks import GradientAuditHooks
-from .batch import (
+from .hooks.audit import GradientAuditHooks
+from .core.batch import (
     filler_row,
     loss_mask,
     microbatch_token_counts,
@@ -50,9 +50,9 @@ from .batch import (
     trl_microbatch_of_rows,
     with_fillers,
 )
-from .callbacks import DataProgressBarCallback, DPPOSummaryCallback
+from .hooks.callbacks import DataProgressBarCallback, DPPOSummaryCallback
 from .config import DPPOConfig, as_dppo_config
-from .estimator import (
+from .core.estimator import (
     SEQUENCE_MEAN_LOSS_TYPES,
     effective_sample_size,
     full_batch_normalizer,
@@ -60,7 +60,7 @@ from .estimator import (
     trl_microbatch_normalizer,
     trl_microbatch_token_scale,
 )
-from .metrics import (
+from .core.metrics import (
     SAMPLING_METRICS,
     drop_last_entry,
     mean_of_rank_means,
@@ -68,7 +68,7 @@ from .metrics import (
     weighted_mean_stats,
     weighted_quantile,
 )
-from .packing import (
+from .core.packing import (
     balance_ranks,
     default_packed_tokens,
     exchange_plan,
@@ -81,15 +81,14 @@ from .packing import (
     rank_imbalance,
     varlen_kwargs,
 )
-from .prompt_hooks import PromptPruningHooks
-from .pruning import (
+from .core.trl_formulas import adaptive_entropy_coef, vllm_importance_sampling_ratio
+from .hooks.prompt_pruning import PromptPruningHooks
+from .core.pruning import (
     PruneProblem,
-    adaptive_entropy_coef,
     adaptive_keep_rate,
     get_design,
     pruning_relative_error,
     unbiased_designs,
-    vllm_importance_sampling_ratio,
     zero_spread_rows,
 )
 
@@ -402,7 +401,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
     @torch.no_grad()
     def _log_weighted_loss_metrics(self, inputs, advantages, logps, entropies, mask, weight) -> None:
         """Replace TRL's plain means over the kept rows (``entropy``, ``clip_ratio/*_mean``, ``cispo_clip_ratio``,
-        ``vespo/phi_seq_mean``) by their Horvitz-Thompson estimates of GRPO's values (``dppo_trl.metrics``);
+        ``vespo/phi_seq_mean``) by their Horvitz-Thompson estimates of GRPO's values (``dppo_trl.core.metrics``);
         the clip conditions are TRL's, on the unweighted advantages."""
         old = inputs.get("old_per_token_logps")
         log_ratio = logps.detach() - (logps.detach() if old is None else old)

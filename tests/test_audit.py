@@ -1,4 +1,4 @@
-"""The online gradient audit (``audit_every``): its math (``dppo_trl.audit``), that its two gradients are the ones
+"""The online gradient audit (``audit_every``): its math (``dppo_trl.core.audit``), that its two gradients are the ones
 GRPOTrainer's and DPPO's optimizers receive, that they share their randomness (dropout off in both: with every row
 kept they differ by float rounding), that training is unchanged by it, that a batch without signal is not compared,
 and that its bias alarm fires for ``topk`` and, at its measured false-alarm rate, not for the unbiased designs."""
@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.audit import (
+from dppo_trl.core.audit import (
     BIAS_ALARM_MIN_AUDITS,
     BIAS_ALARM_T,
     audited_batch,
@@ -27,7 +27,7 @@ from dppo_trl.audit import (
     measured_error_scale,
     sketch_gradients,
 )
-from dppo_trl.estimator import SUPPORTED_LOSS_TYPES
+from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 

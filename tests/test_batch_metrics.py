@@ -1,9 +1,9 @@
-"""Pure helpers: weighted metric estimates (dppo_trl.metrics) and batch-dict operations (dppo_trl.batch)."""
+"""Pure helpers: weighted metric estimates (dppo_trl.core.metrics) and batch-dict operations (dppo_trl.core.batch)."""
 
 import torch
 
-from dppo_trl.batch import filler_row, pad_to_width, with_fillers
-from dppo_trl.metrics import ratio, weighted_mean_stats
+from dppo_trl.core.batch import filler_row, pad_to_width, with_fillers
+from dppo_trl.core.metrics import ratio, weighted_mean_stats
 
 
 def test_weighted_token_mean_counts_each_kept_row_w_times_and_fillers_never():

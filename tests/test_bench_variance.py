@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 import bench_variance as bv  # noqa: E402
 
-from dppo_trl.estimator import horvitz_thompson_weights  # noqa: E402
-from dppo_trl.pruning import adaptive_keep_rate, systematic_sample  # noqa: E402
+from dppo_trl.core.estimator import horvitz_thompson_weights  # noqa: E402
+from dppo_trl.core.pruning import adaptive_keep_rate, systematic_sample  # noqa: E402
 
 
 def random_pool(batches=3, rows=6, params=9, seed=0):
@@ -121,7 +121,7 @@ def test_prompt_pruning_under_dapo_is_unbiased_for_the_planned_normalizer():
     ``N_b / D_b``: the batch gradient times ``T_b / D_b`` (its only bias, the history's length error); the
     prompt-weighted count it used before does not (a ratio estimate)."""
     from dppo_trl.config import _DEFAULT_PROMPT_KEEP_FLOOR
-    from dppo_trl.prompts import prompt_acceptance_probabilities
+    from dppo_trl.core.prompts import prompt_acceptance_probabilities
 
     batch = synthetic_batch()
     q = prompt_acceptance_probabilities(batch.history, torch.ones(4, dtype=torch.bool), 0.5, _DEFAULT_PROMPT_KEEP_FLOOR)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dppo_trl import cube
-from dppo_trl.pruning import PruneProblem, balancing_variables, get_design, grouped_order
+from dppo_trl.core import cube
+from dppo_trl.core.pruning import PruneProblem, balancing_variables, get_design, grouped_order
 
 
 def grpo_problem(rows, group=16, seed=0, keep_rate=0.5, lengths=None):

@@ -9,8 +9,8 @@ from conftest import cpu_config, random_reward
 from test_trainer import RecordingTrainer, constant_reward
 from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
 
-from dppo_trl.estimator import horvitz_thompson_weights
-from dppo_trl.pruning import keep_probabilities
+from dppo_trl.core.estimator import horvitz_thompson_weights
+from dppo_trl.core.pruning import keep_probabilities
 
 
 def test_every_completion_truncated_and_masked_still_steps(tmp_path, tiny_model_dir, train_dataset):

@@ -17,15 +17,15 @@ from test_vllm_path import run as vllm_config
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.packing import packed_allocation, plan_forward_calls
-from dppo_trl.estimator import (
+from dppo_trl.core.packing import packed_allocation, plan_forward_calls
+from dppo_trl.core.estimator import (
     SUPPORTED_LOSS_TYPES,
     full_batch_normalizer,
     horvitz_thompson_weights,
     prompt_weighted_token_count,
 )
-from dppo_trl.prompts import PromptPruningSampler
-from dppo_trl.pruning import zero_spread_rows
+from dppo_trl.core.prompts import PromptPruningSampler
+from dppo_trl.core.pruning import zero_spread_rows
 
 VARLEN = varlen_reference.register()
 

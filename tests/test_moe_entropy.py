@@ -20,7 +20,7 @@ from test_unbiased import (
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.pruning import keep_probabilities
+from dppo_trl.core.pruning import keep_probabilities
 from dppo_trl.tasks.toy import save_tiny_model
 
 

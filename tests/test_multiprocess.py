@@ -237,7 +237,7 @@ def test_two_ranks_audit_the_same_batches_with_the_same_sketch(tmp_path, tiny_mo
     """The gradient audit on two ranks (every generation batch, a 256-direction sketch): both ranks hold the same
     reduced sketches, bit for bit, and the audited DPPO gradient is the sketch of what DDP's optimizer receives at
     the batch's first step (GA == steps_per_generation: that step takes the whole batch)."""
-    from dppo_trl.audit import sketch_gradients
+    from dppo_trl.core.audit import sketch_gradients
 
     torchrun(tmp_path, tiny_model_dir, "stratified", 0.5, 4, "--audit-sketch", 256)
     ranks = [torch.load(tmp_path / f"audit{r}.pt", weights_only=False) for r in range(2)]

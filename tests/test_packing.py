@@ -12,7 +12,7 @@ from test_trainer import RecordingTrainer, losses_of
 from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
 from trl import GRPOTrainer
 
-from dppo_trl.packing import (
+from dppo_trl.core.packing import (
     assign_microbatches,
     balance_ranks,
     default_packed_tokens,
@@ -243,7 +243,7 @@ def test_rank_imbalance():
 
 
 def test_packed_inputs_lay_real_tokens_back_to_back_with_restarting_positions():
-    from dppo_trl.packing import packed_inputs
+    from dppo_trl.core.packing import packed_inputs
 
     pad = 0
     ids = torch.tensor([[0, 5, 6, 7, 8], [9, 10, 11, 12, 0], [0, 16, 13, 14, 15]])  # prompt width 2, completion 3
@@ -259,7 +259,7 @@ def test_packed_inputs_lay_real_tokens_back_to_back_with_restarting_positions():
 
 
 def test_varlen_kwargs_mark_every_sequence_of_the_flattened_rows():
-    from dppo_trl.packing import varlen_kwargs
+    from dppo_trl.core.packing import varlen_kwargs
 
     kwargs = varlen_kwargs(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]))
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9, 10] and kwargs["max_length_q"] == 4
@@ -267,7 +267,7 @@ def test_varlen_kwargs_mark_every_sequence_of_the_flattened_rows():
 
 
 def test_exchange_plan_sends_and_receives_the_planned_rows():
-    from dppo_trl.packing import exchange_plan
+    from dppo_trl.core.packing import exchange_plan
 
     lengths = [[50, 40, 30, 5], [3], [4, 4]]
     plan = balance_ranks(lengths, 0.1)
@@ -292,7 +292,7 @@ def test_row_cap_holds_where_the_rows_allow(lengths, m, cap):
 
 
 def test_microbatch_order_is_a_seeded_permutation():
-    from dppo_trl.packing import microbatch_order
+    from dppo_trl.core.packing import microbatch_order
 
     orders = {tuple(microbatch_order(4, torch.Generator().manual_seed(s))) for s in range(50)}
     assert all(sorted(o) == [0, 1, 2, 3] for o in orders) and len(orders) > 10
@@ -306,7 +306,7 @@ def test_every_rank_plans_as_many_calls_though_ranks_pad_to_different_widths():
     and widths, so every rank computes the same plans. Planned with one rank's local width instead (0.1's bug),
     rank 1 would count 2 calls for rank 0's rows [14, 2, 8] (14 > its width 13) where rank 0 makes 1: a hang
     under ZeRO-3/FSDP."""
-    from dppo_trl.packing import packed_allocation, plan_calls_per_rank
+    from dppo_trl.core.packing import packed_allocation, plan_calls_per_rank
 
     lengths, widths, per_call = [[14, 2, 8], [13, 3, 9]], [14, 13], 2
     plans = plan_calls_per_rank(lengths, widths, per_call, row_budget=lambda width: width)
@@ -330,7 +330,7 @@ def test_microbatch_plan_gives_every_rank_a_fair_share_of_each_optimizer_step(pa
     the plan's seed, each kept row of each rank lands in the first optimizer step with probability 1/2, on the rank
     with fewer rows too (issue 19: the padded path cut every rank's rows into chunks sized for the fullest rank, so
     a rank keeping 8 put 6 of its 8 rows in the first step, one keeping 9 put 6 of 9)."""
-    from dppo_trl.packing import microbatch_plan
+    from dppo_trl.core.packing import microbatch_plan
 
     lengths_per_rank = [[10 + (3 * i) % 7 for i in range(12)], [10 + (5 * i) % 9 for i in range(9)]]
     spg, ga, seeds = 4, 2, 400
@@ -357,7 +357,7 @@ def test_microbatch_plan_gives_every_rank_a_fair_share_of_each_optimizer_step(pa
 def test_padded_plan_is_trls_split_when_the_rows_divide_evenly():
     """Every rank keeping the same multiple of steps_per_generation rows (every row kept): consecutive equal
     chunks of the shuffled rows in order, TRL's own split, so GRPO's steps are reproduced step for step."""
-    from dppo_trl.packing import microbatch_plan
+    from dppo_trl.core.packing import microbatch_plan
 
     bins, sizes = microbatch_plan([5] * 8, [[5] * 8, [7] * 8], 4, 16, False, torch.Generator().manual_seed(3))
     assert bins == [[0, 1], [2, 3], [4, 5], [6, 7]] and sizes == [2, 2, 2, 2]

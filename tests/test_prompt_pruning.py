@@ -11,7 +11,7 @@ from test_trainer import RecordingTrainer, params_of
 from trl.trainer.utils import RepeatSampler
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.prompts import PromptPruningSampler, prompt_acceptance_probabilities, update_history
+from dppo_trl.core.prompts import PromptPruningSampler, prompt_acceptance_probabilities, update_history
 from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
 
@@ -178,7 +178,7 @@ def _expected_run(loss_type, normalizer_of):
     in epoch 1): ``(E[sum of the steps' terms + the final leftover's], the claim sum_e q_bar_e sum_j g_j / D_e)``.
     A step is ``sum_j w_j g_j / Z`` with ``Z`` the trainer's ``full_batch_normalizer`` of the batch's
     ``normalizer_of(batch, loss_tokens)`` (the count, and a factor per prompt)."""
-    from dppo_trl.estimator import full_batch_normalizer
+    from dppo_trl.core.estimator import full_batch_normalizer
 
     n, size, group = 4, 2, 2
     g = torch.tensor([3.0, -1.0, 2.0, 0.5], dtype=torch.float64)  # each prompt's summed per-token (or per-row) term
@@ -218,7 +218,7 @@ def test_the_expected_step_is_grpos_numerator_over_the_planned_normalizer(loss_t
     expected number of steps is ``sum_e q_bar_e x M / P``: per step, GRPO's expected numerator
     ``E[N_B] = (P / M) sum_j g_j`` over ``D_e``. The random prompt-weighted count (the previous normalizer) is
     off by a ratio estimate's bias; dropping the carried prompts' own normalizer is off too."""
-    from dppo_trl.estimator import prompt_pruning_normalization, prompt_weighted_token_count
+    from dppo_trl.core.estimator import prompt_pruning_normalization, prompt_weighted_token_count
 
     def planned(batch, loss_tokens):
         return prompt_pruning_normalization(loss_type, batch["normalizer"], batch["normalizers"], loss_tokens)
@@ -242,7 +242,7 @@ def test_the_normalizer_is_fixed_before_the_acceptance_draw():
     """The planned D of an epoch's batches is the same whatever the acceptance draw (it is a function of the
     history only: P x G x the mean loss tokens per completion of the seen prompts), and so is the trainer's count;
     in an epoch with nothing seen it is None and the trainer counts the batch, as GRPO does."""
-    from dppo_trl.estimator import prompt_pruning_normalization
+    from dppo_trl.core.estimator import prompt_pruning_normalization
 
     first = make_sampler(n=6, batch=2)
     batch = first._plan_epoch()[0]

@@ -11,15 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_unbiased import LOSS_TYPES
 
-from dppo_trl import pruning
-from dppo_trl.cube import cube_outcomes
-from dppo_trl.estimator import (
+from dppo_trl.core import pruning
+from dppo_trl.core.cube import cube_outcomes
+from dppo_trl.core.estimator import (
     effective_sample_size,
     full_batch_normalizer,
     horvitz_thompson_weights,
     trl_microbatch_normalizer,
 )
-from dppo_trl.pruning import (
+from dppo_trl.core.pruning import (
     PruneProblem,
     adaptive_keep_rate,
     balancing_variables,

@@ -9,7 +9,7 @@ from conftest import coarse_reward, cpu_config, random_reward
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.pruning import keep_probabilities, pruning_relative_error
+from dppo_trl.core.pruning import keep_probabilities, pruning_relative_error
 
 
 class RecordingTrainer(DPPOTrainer):

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.estimator import SUPPORTED_LOSS_TYPES
+from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES
 
 OPTIONS = {"plain": {}, "entropy_bonus": dict(entropy_coef=0.1), "entropy_filter": dict(top_entropy_quantile=0.5)}
 
@@ -79,7 +79,7 @@ def test_trl_split_of_rows_is_trls_shuffle_and_split():
     draws nothing from the RNG."""
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-    from dppo_trl.batch import microbatch_token_counts, trl_microbatch_of_rows
+    from dppo_trl.core.batch import microbatch_token_counts, trl_microbatch_of_rows
 
     rows, steps = 12, 3
     batch = {"row": torch.arange(rows), "tokens": torch.arange(rows) % 5 + 1}

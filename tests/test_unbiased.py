@@ -13,9 +13,9 @@ from conftest import cpu_config, random_reward
 from trl import GRPOTrainer
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.cube import cube_outcomes
-from dppo_trl.estimator import horvitz_thompson_weights
-from dppo_trl.pruning import (
+from dppo_trl.core.cube import cube_outcomes
+from dppo_trl.core.estimator import horvitz_thompson_weights
+from dppo_trl.core.pruning import (
     PruneProblem,
     balancing_variables,
     grouped_order,

@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from dppo_trl.packing import register_varlen_attention
+from dppo_trl.core.packing import register_varlen_attention
 
 NAME = "varlen_reference"
 

@@ -1,6 +1,6 @@
 """Prompt pruning's hooks of ``DPPOTrainer``: the training sampler, the schedule and resume arithmetic that follow
 data progress, the per-batch prompt decision (weights and token normalizer), and the sampler's state in
-checkpoints. The math is in ``dppo_trl.prompts`` and ``dppo_trl.estimator``; this mixin only wires it into the HF
+checkpoints. The math is in ``dppo_trl.core.prompts`` and ``dppo_trl.core.estimator``; this mixin only wires it into the HF
 Trainer's and TRL's hooks."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import torch
 
 from .callbacks import DataProgressScheduler
-from .estimator import prompt_pruning_normalization, prompt_weighted_token_count
-from .prompts import PromptPruningSampler
+from ..core.estimator import prompt_pruning_normalization, prompt_weighted_token_count
+from ..core.prompts import PromptPruningSampler
 
 
 class PromptPruningHooks:

@@ -5,7 +5,7 @@ bias statistic. Both gradient passes run with dropout off (``audit.dropout_disab
 they differ by float rounding only; the log-prob passes GRPO needs reuse DPPO's values on the rows DPPO kept.
 Training is untouched: the RNG is forked and restored, ``.grad`` is left as it was (``torch.autograd.grad``, or
 under reentrant checkpointing a backward into emptied ``.grad`` slots that are put back), and the dropout
-settings, logged metrics and loss state are restored. The math is in ``dppo_trl.audit``."""
+settings, logged metrics and loss state are restored. The math is in ``dppo_trl.core.audit``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from .audit import (
+from ..core.audit import (
     BIAS_ALARM_MIN_AUDITS,
     BIAS_ALARM_T,
     audited_batch,
@@ -32,8 +32,8 @@ from .audit import (
     measured_error_scale,
     sketch_gradients,
 )
-from .batch import loss_mask
-from .pruning import vllm_importance_sampling_ratio
+from ..core.batch import loss_mask
+from ..core.trl_formulas import vllm_importance_sampling_ratio
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Pure math of completion pruning: keep probabilities and sampling designs (the Horvitz-Thompson weights and
-the loss normalizers are in ``dppo_trl.estimator``).
+the loss normalizers are in ``dppo_trl.core.estimator``).
 
 No TRL import here. Every function works on plain 1-D tensors over the rows of ONE generation batch
 (all ranks together), so that every rank, given the same inputs and generator, makes the same decision.
@@ -160,40 +160,6 @@ def default_length_exponent(loss_type: str) -> float:
     ``||g|| ~ |A| / sqrt(L)``), 0 for the token sums (``||g|| ~ |A| sqrt(L)``); the best of each measured by
     ``make bench-variance`` (``docs/benchmarks.md``)."""
     return -0.5 if loss_type in SEQUENCE_MEAN_LOSS_TYPES else 0.0
-
-
-def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
-    """TRL's adaptive entropy controller, one optimizer step: raise the coefficient by ``delta`` (up to ``high``)
-    while the window's entropy is at or below ``target``, lower it (down to ``low``) otherwise."""
-    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
-
-
-def vllm_importance_sampling_ratio(
-    old_logps: torch.Tensor,
-    sampling_logps: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    clip_min: float | None,
-    clip_max: float | None,
-) -> torch.Tensor:
-    """TRL's vLLM importance-sampling ratio ``pi_old / pi_sampler`` for rows whose old-policy log-probs exist
-    only after pruning: per token ``(B, T)`` for ``token_*`` modes, per sequence ``(B, 1)`` for ``sequence_*``;
-    ``*_truncate`` clamps to ``[clip_min, clip_max]``, ``*_mask`` zeroes ratios outside it. Tokens the sampler
-    could not score (NaN) get no correction."""
-    log_ratio = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
-    if mode.startswith("sequence_"):
-        log_ratio = log_ratio.sum(dim=-1, keepdim=True)
-    ratio = torch.exp(log_ratio)
-    if mode in ("token_truncate", "sequence_truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    if mode in ("token_mask", "sequence_mask"):
-        low = -math.inf if clip_min is None else clip_min
-        high = math.inf if clip_max is None else clip_max
-        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    raise ValueError(
-        f"vllm_importance_sampling_mode={mode!r} is invalid: expected one of "
-        "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'."
-    )
 
 
 @dataclass(frozen=True)
