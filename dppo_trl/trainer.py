@@ -81,6 +81,7 @@ from .core.packing import (
     rank_imbalance,
     varlen_kwargs,
 )
+from .core.seeds import derive_seed
 from .core.trl_formulas import adaptive_entropy_coef, vllm_importance_sampling_ratio
 from .hooks.prompt_pruning import PromptPruningHooks
 from .core.pruning import (
@@ -463,7 +464,11 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
         # One draw per generation batch, indexed by the training position so a resumed run draws the same.
         draw = self._training_position()
-        return (base * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % 2**63
+        return derive_seed("keep", base, draw)
+
+    def _plan_seed(self) -> int:
+        base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
+        return derive_seed("microbatch_plan", base, self._training_position())
 
     def _draw_keep_mask(self, output, scores):
         """The global keep decision, the main process's on every rank (``_same_on_every_rank``): ``(keep, weight,
@@ -782,7 +787,7 @@ class DPPOTrainer(GradientAuditHooks, PromptPruningHooks, GRPOTrainer):
         if self._microbatches_follow_trl_split:
             bins, sizes = self._trl_split_bins(trl_microbatch, kept)
         else:
-            generator = torch.Generator().manual_seed(self._prune_seed() ^ 0x5851F42D4C957F2D)
+            generator = torch.Generator().manual_seed(self._plan_seed())
             positions, sizes = microbatch_plan(
                 [lengths[i] for i in kept.tolist()], self._kept_lengths_per_rank, self.args.steps_per_generation,
                 self.args.per_device_train_batch_size, self.args.packing, generator,

@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-import zlib
 from dataclasses import dataclass
 
 import torch
+
+from .seeds import derive_seed, named_seed
 
 _SKETCH_CHUNK = 1 << 22  # coordinates hashed per generator call: bounds the index tensor, not the result
 
@@ -37,7 +38,7 @@ def audited_batch(batch_index: int, every: int, seed: int) -> bool:
     training position only, so every rank and a resumed run audit the same batches, whatever the keep draw."""
     if every <= 0:
         return False
-    offset = (seed * 0x9E3779B97F4A7C15 + 0x2545F4914F6CDD1D) % 2**63 % every
+    offset = derive_seed("audit_offset", seed) % every
     return (batch_index + offset) % every == 0
 
 
@@ -65,7 +66,7 @@ def make_sketch(num_parameters: int, sketch_dim: int, exact_max: int, seed: int)
 def sketch_seed(seed: int, name: str, chunk: int) -> int:
     """The generator seed of chunk ``chunk`` of parameter ``name``: reduced modulo 2^63, since
     ``torch.Generator.manual_seed`` takes 64 bits (any training ``seed``, 2^62 and above included)."""
-    return ((seed ^ zlib.crc32(name.encode())) * 1_000_003 + chunk) % 2**63
+    return named_seed(seed, name, chunk)
 
 
 def sketch_gradients(sketch: GradientSketch, named_grads: list[tuple[str, torch.Tensor | None, int]],

@@ -14,6 +14,7 @@ import torch
 from .callbacks import DataProgressScheduler
 from ..core.estimator import prompt_pruning_normalization, prompt_weighted_token_count
 from ..core.prompts import PromptPruningSampler
+from ..core.seeds import derive_seed
 
 
 class PromptPruningHooks:
@@ -41,7 +42,7 @@ class PromptPruningHooks:
                 history_decay=self.args.prompt_history_decay,
                 shuffle=self.shuffle_dataset,
                 seed=self.args.seed,
-                accept_seed=(base * 0xD1B54A32D192ED03 + 0x8CB92BA72F3D8DD7) % 2**63,
+                accept_seed=derive_seed("prompt_acceptance", base),
                 max_epochs=None if self.args.max_steps > 0 else math.ceil(self.args.num_train_epochs),
             )
             self._prompt_sampler.skip_units = self._resume_skip_units
