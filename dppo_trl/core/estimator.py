@@ -10,15 +10,64 @@ draw of that epoch (``expected_batch_tokens``, ``prompt_pruning_normalization``;
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-# Loss types whose per-row contribution is the token MEAN of the row (the others: the token SUM).
-SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")
-# Loss types normalized by a count of the batch's loss tokens (the others: by a count of rows).
-TOKEN_MEAN_LOSS_TYPES = ("bnpo", "dapo", "cispo", "vespo")
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+
+@dataclasses.dataclass(frozen=True)
+class LossType:
+    """What DPPO needs to know of one of TRL's loss types (TRL 1.16's ``_compute_loss``; re-check on upgrade).
+
+    Args:
+        name: TRL's ``loss_type``.
+        row_term: ``"token_mean"`` (a row contributes the mean over its loss tokens) or ``"token_sum"``.
+        normalizer: what TRL divides a micro-batch's summed terms by: ``"rows"``, ``"rows_x_max_length"`` (rows x
+            ``max_completion_length``), ``"microbatch_tokens"`` (the micro-batch's loss tokens) or
+            ``"generation_tokens"`` (the generation batch's loss tokens per micro-step).
+        clip_metric: the clip statistics TRL logs: ``"ppo"`` (``clip_ratio/*``), ``"cispo"``, ``"vespo"`` or None.
+    """
+
+    name: str
+    row_term: str
+    normalizer: str
+    clip_metric: str | None
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Normalized by a count of loss tokens (else by a count of rows)."""
+        return self.normalizer in ("microbatch_tokens", "generation_tokens")
+
+    @property
+    def policy_loss_scale_is_accumulation(self) -> bool:
+        """TRL logs ``policy_loss`` before its division by the accumulation steps (all but the generation-token
+        normalized types, whose normalizer already holds them)."""
+        return self.normalizer != "generation_tokens"
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    record.name: record
+    for record in (
+        LossType("grpo", "token_mean", "rows", "ppo"),
+        LossType("bnpo", "token_sum", "microbatch_tokens", "ppo"),
+        LossType("dr_grpo", "token_sum", "rows_x_max_length", "ppo"),
+        LossType("dapo", "token_sum", "generation_tokens", "ppo"),
+        LossType("cispo", "token_sum", "generation_tokens", "cispo"),
+        LossType("sapo", "token_mean", "rows", None),
+        LossType("vespo", "token_sum", "generation_tokens", "vespo"),
+        LossType("luspo", "token_sum", "rows", "ppo"),
+    )
+}
+SUPPORTED_LOSS_TYPES = tuple(LOSS_TYPES)
+SEQUENCE_MEAN_LOSS_TYPES = tuple(name for name, t in LOSS_TYPES.items() if t.row_term == "token_mean")
+TOKEN_MEAN_LOSS_TYPES = tuple(name for name, t in LOSS_TYPES.items() if t.counts_tokens)
+
+
+def loss_type_record(loss_type: str) -> LossType:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {SUPPORTED_LOSS_TYPES}")
+    return LOSS_TYPES[loss_type]
 
 
 def horvitz_thompson_weights(pi: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -53,15 +102,21 @@ def full_batch_normalizer(
     ``/ P x GA / spg`` (``bnpo``, ``dapo``, ``cispo``, ``vespo``: the mean over tokens; under prompt pruning
     the planned count of ``prompt_pruning_normalization``).
     """
-    if loss_type in ("grpo", "sapo", "luspo"):
+    normalizer = loss_type_record(loss_type).normalizer
+    if normalizer == "rows":
         return float(rows_per_microbatch * accumulation_steps)
-    if loss_type == "dr_grpo":
+    if normalizer == "rows_x_max_length":
         return float(rows_per_microbatch * max_completion_length * accumulation_steps)
-    if loss_type in TOKEN_MEAN_LOSS_TYPES:
-        return (
-            max(float(loss_tokens_in_generation_batch), 1.0) / num_processes * accumulation_steps / steps_per_generation
-        )
-    raise ValueError(f"loss_type={loss_type!r} is not supported; expected one of {SUPPORTED_LOSS_TYPES}")
+    return loss_token_normalizer(loss_tokens_in_generation_batch, num_processes, steps_per_generation, accumulation_steps)
+
+
+def loss_token_normalizer(
+    loss_tokens_in_generation_batch: float, num_processes: int, steps_per_generation: int, accumulation_steps: int
+) -> float:
+    """The generation batch's loss tokens per rank and micro-step, times the accumulation steps: the full-batch
+    normalizer of the loss types that count tokens, and of the entropy bonus (a token mean)."""
+    tokens = max(float(loss_tokens_in_generation_batch), 1.0)
+    return tokens / num_processes * accumulation_steps / steps_per_generation
 
 
 def trl_microbatch_normalizer(
@@ -76,7 +131,7 @@ def trl_microbatch_normalizer(
 ) -> float:
     """The normalizer TRL 1.16's ``_compute_loss`` applies to a micro-batch in train mode: it counts the rows
     (or, for ``bnpo``, the loss tokens) of THAT micro-batch, so after pruning it must be replaced."""
-    if loss_type == "bnpo":
+    if loss_type_record(loss_type).normalizer == "microbatch_tokens":
         return max(float(loss_tokens_in_microbatch), 1.0) * accumulation_steps
     # The other types count the micro-batch's rows where the full-batch normalizer counts a full micro-batch.
     return full_batch_normalizer(

@@ -41,3 +41,29 @@ def vllm_importance_sampling_ratio(
         f"vllm_importance_sampling_mode={mode!r} is invalid: expected one of "
         "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'."
     )
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TRL's sequence-level importance weight's log (``importance_sampling_level='sequence'``): the mean of each
+    row's token log-ratios over its loss tokens.
+
+    Args:
+        log_ratio: (B, T) per-token ``log pi - log pi_old``.
+        mask: (B, T) the loss tokens.
+
+    Returns:
+        (B, 1).
+    """
+    return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+def k3_kl(ref_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """TRL's per-token KL estimate ``exp(ref - logp) - (ref - logp) - 1`` (Schulman's k3), (B, T)."""
+    return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+
+
+def clip_indicators(coef: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float) -> dict:
+    """TRL's ``clip_ratio/*`` conditions of the clipped objectives: ``(B, T)`` booleans, the low clip (``coef < 1 -
+    eps_low`` and ``A < 0``), the high clip (``coef > 1 + eps_high`` and ``A > 0``), and either."""
+    low, high = (coef < 1 - epsilon_low) & (advantages < 0), (coef > 1 + epsilon_high) & (advantages > 0)
+    return {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}

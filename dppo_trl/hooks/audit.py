@@ -5,13 +5,17 @@ bias statistic. Both gradient passes run with dropout off (``audit.dropout_disab
 they differ by float rounding only; the log-prob passes GRPO needs reuse DPPO's values on the rows DPPO kept.
 Training is untouched: the RNG is forked and restored, ``.grad`` is left as it was (``torch.autograd.grad``, or
 under reentrant checkpointing a backward into emptied ``.grad`` slots that are put back), and the dropout
-settings, logged metrics and loss state are restored. The math is in ``dppo_trl.core.audit``."""
+settings, logged metrics and loss state are restored. The math is in ``dppo_trl.core.audit``.
+
+Reads of the host trainer: ``args``, ``accelerator``, ``model``, ``beta``, ``_entropy_bonus_enabled``, ``_metrics``,
+``compute_loss``, ``compute_loss_context_manager``, TRL's vLLM IS settings; ``_training_position``, ``_local``,
+``_global_scores`` (the keep decision), ``_deferred_pass_names``, ``_deferred_pass_model``, ``_logps_of`` (the
+placement)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 import time
 
@@ -34,11 +38,12 @@ from ..core.audit import (
 )
 from ..core.batch import loss_mask
 from ..core.trl_formulas import vllm_importance_sampling_ratio
+from .generation_batch import AuditReference, GenerationBatch
 
 logger = logging.getLogger(__name__)
 
-# Trainer state that a loss pass may change (TRL's adaptive entropy controller, DPPO's entropy mask).
-_LOSS_STATE = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats", "_last_entropy_mask")
+# Trainer state that a loss pass may change (TRL's adaptive entropy controller).
+_LOSS_STATE = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
 
 # What an audited batch is, decided when it is generated (the same on every rank: from the gathered scores).
 _NO_SIGNAL = "no signal"  # every score exactly 0 and no term without A: both gradients are float residue
@@ -46,14 +51,11 @@ _EXACT = "exact"  # every row that counts kept at weight 1: DPPO's estimate is G
 _PRUNED = "pruned"
 
 
-class GradientAuditHooks:
+class GradientAudit:
     """Mixed into ``DPPOTrainer``; does nothing while ``audit_every == 0``."""
 
     _in_grpo_reference = False  # True while the audit runs GRPO's own passes (TRL's padded path)
-    _audit_reference: dict | None = None  # the audited batch's rows as GRPO has them, until the audit runs
-    _audit_kind: str | None = None  # _NO_SIGNAL, _EXACT or _PRUNED, for the batch in _audit_reference
     _audit_sketch = None
-    _audit_reference_seconds = 0.0
 
     def _audit_records(self) -> dict:
         """Per-run audit results: audits run, batches without signal, cosines, measured-to-model error ratios, the
@@ -83,12 +85,12 @@ class GradientAuditHooks:
         finally:
             self._in_grpo_reference = False
 
-    def _audit_batch_kind(self, rows: dict) -> str:
+    def _audit_batch_kind(self, rows: dict, batch: GenerationBatch) -> str:
         """``_NO_SIGNAL`` when every row's pruning score is exactly 0 (the trainer's ``_global_scores``: zero-spread
         groups score 0 whatever TRL's float32 A, e.g. 6e-4 for equal rewards of 0.7) and no per-row term without
         A is on (``beta == 0``, no entropy bonus); ``_EXACT`` when every row that counts (score != 0, or every row
         with a loss token when such a term is on) is kept at weight 1 on every rank; else ``_PRUNED``."""
-        scores = self._global_scores({"advantages": rows["advantages"]})
+        scores = self._global_scores(rows["advantages"], batch)
         without_a = self.beta != 0.0 or bool(getattr(self, "_entropy_bonus_enabled", False))
         if not without_a and bool((scores == 0).all()):
             return _NO_SIGNAL
@@ -99,9 +101,9 @@ class GradientAuditHooks:
         return _EXACT if int(missed) == 0 else _PRUNED
 
     @torch.no_grad()
-    def _build_grpo_reference(self, rows: dict, calls: list, output: dict | None = None) -> None:
+    def _build_grpo_reference(self, rows: dict, batch: GenerationBatch, output: dict | None = None) -> AuditReference:
         """GRPO's version of this rank's rows of the generation batch (before any rank exchange), kept as
-        ``_audit_reference``: the deferred old-policy and reference passes, through TRL's own forward in TRL's
+        an ``AuditReference``: the deferred old-policy and reference passes, through TRL's own forward in TRL's
         chunks of ``per_device_train_batch_size``, and the vLLM IS ratio rebuilt from them. A row DPPO kept on
         this rank takes DPPO's log-probs where the model has dropout (one dropout draw, so with every row kept the
         two gradients agree to float rounding; without dropout every row is forwarded, TRL's values exactly);
@@ -111,11 +113,11 @@ class GradientAuditHooks:
         ``rows`` itself, whose tensors DPPO's passes fill in place unless rows moved between ranks (then they
         still hold TRL's zero placeholders, and every row is forwarded)."""
         start = time.perf_counter()
-        self._audit_kind = self._audit_batch_kind(rows)
-        if self._audit_kind == _NO_SIGNAL:
-            self._audit_reference, self._audit_reference_seconds = {}, time.perf_counter() - start
-            return
+        kind = self._audit_batch_kind(rows, batch)
+        if kind == _NO_SIGNAL:
+            return AuditReference({}, kind, time.perf_counter() - start)
         local_rows = rows["advantages"].size(0)
+        calls = batch.deferred_calls
         names = self._deferred_pass_names(calls)
         dppo_rows = rows if output is None else output
         kept = dppo_rows["dppo_keep"][:local_rows]
@@ -144,29 +146,27 @@ class GradientAuditHooks:
                 self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
                 self.vllm_importance_sampling_clip_max,
             ).to(rows["importance_sampling_ratio"].dtype)  # fmt: skip
-        self._audit_reference = rows
-        self._audit_reference_seconds = time.perf_counter() - start
+        return AuditReference(rows, kind, time.perf_counter() - start)
 
-    def _audit_generation_batch(self, shuffle_rng_state: torch.Tensor) -> None:
-        """Compare GRPO's and DPPO's gradients of the batch just prepared, at the current parameters. GRPO's
-        micro-batches are TRL's: its shuffle (from the RNG state it drew from, ``shuffle_rng_state``) and split.
-        A batch without signal is counted and not compared (no gradient pass; only its seconds are logged)."""
-        reference, self._audit_reference = self._audit_reference, None
-        if reference is None:
-            return
+    def _audit_generation_batch(self, batch: GenerationBatch, dppo_microbatches: list[dict]) -> None:
+        """Compare GRPO's and DPPO's gradients of the batch just prepared (``batch.audit``, DPPO's
+        ``dppo_microbatches``), at the current parameters. GRPO's micro-batches are TRL's: its shuffle (from the RNG
+        state it drew from, ``batch.trl_split_rng_state``) and split. A batch without signal is counted and not
+        compared (no gradient pass; only its seconds are logged)."""
+        audit = batch.audit
         records = self._audit_records()
         records["audits"] += 1
-        if self._audit_kind == _NO_SIGNAL:  # its cost: telling it apart
+        if audit.kind == _NO_SIGNAL:  # its cost: telling it apart
             records["no_signal"] += 1
-            self._metrics["train"]["dppo/audit_seconds"].append(self._audit_reference_seconds)
+            self._metrics["train"]["dppo/audit_seconds"].append(audit.seconds)
             return
-        start = time.perf_counter() - self._audit_reference_seconds  # the reference's log-prob passes count too
+        start = time.perf_counter() - audit.seconds  # the reference's log-prob passes count too
         with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(shuffle_rng_state)
-            reference = shuffle_sequence_dict(reference)
+            torch.set_rng_state(batch.trl_split_rng_state)
+            reference = shuffle_sequence_dict(audit.rows)
         grpo_batches = split_tensor_dict(reference, self.args.steps_per_generation)
-        grpo, dppo = self._audited_gradients(grpo_batches, self._buffered_inputs)
-        self._record_audit(dppo, grpo, time.perf_counter() - start)
+        grpo, dppo = self._audited_gradients(grpo_batches, dppo_microbatches)
+        self._record_audit(dppo, grpo, time.perf_counter() - start, batch)
 
     def _audited_gradients(self, grpo_batches: list[dict], dppo_batches: list[dict]) -> tuple:
         """The sketched sums, over each list of micro-batches, of the gradient of what ``training_step`` back-
@@ -222,7 +222,7 @@ class GradientAuditHooks:
             for p, grad in zip(params, saved):
                 p.grad = grad
 
-    def _record_audit(self, dppo: torch.Tensor, grpo: torch.Tensor, seconds: float) -> None:
+    def _record_audit(self, dppo: torch.Tensor, grpo: torch.Tensor, seconds: float, batch: GenerationBatch) -> None:
         """Log this audit (``dppo/audit_*``) and update the run's bias statistic: the projection enters it unless
         DPPO's estimate of this batch is GRPO's gradient in exact arithmetic (``_EXACT``: its projection is
         float rounding, which has no mean-zero guarantee)."""
@@ -233,12 +233,12 @@ class GradientAuditHooks:
             metrics["dppo/audit_rel_error"].append(comparison["rel_error"])
             metrics["dppo/audit_projection"].append(comparison["projection"])
             records["cosine"].append(comparison["cosine"])
-            model_error = None if self._prune_summary is None else self._prune_summary[1]
+            model_error = None if batch.prune_summary is None else batch.prune_summary[1]
             if model_error:
                 ratio = comparison["rel_error"] / model_error
                 metrics["dppo/audit_noise_to_signal"].append(ratio)
                 records["ratio"].append(ratio)
-            if self._audit_kind == _PRUNED:
+            if batch.audit.kind == _PRUNED:
                 self._add_to_bias_statistic(comparison["projection"])
         metrics["dppo/audit_seconds"].append(seconds)
 
@@ -280,23 +280,14 @@ class GradientAuditHooks:
             parts.append(f"no bias alarm (|t| <= {BIAS_ALARM_T:g})")
         return ", ".join(parts)
 
-    _AUDIT_STATE_FILE = "dppo_audit.pt"
+    def _audit_state_dict(self) -> dict | None:
+        """The audit history for a checkpoint: a resumed run goes on with the bias statistic and the measured/model
+        ratios that ``adaptive_keep_error_source='audit'`` reads (None while the audit is off)."""
+        return {"records": self._audit_records()} if self.args.audit_every else None
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.args.audit_every and self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            torch.save({"records": self._audit_records()}, os.path.join(folder, self._AUDIT_STATE_FILE))
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        """A resumed run goes on with the audit history (the bias statistic, the measured/model ratios that
-        ``adaptive_keep_error_source='audit'`` reads) where the checkpoint left it."""
-        super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, self._AUDIT_STATE_FILE) if checkpoint else None
-        if self.args.audit_every and path and os.path.exists(path):
-            saved = torch.load(path, weights_only=True)["records"]
-            records = self._audit_records()
-            records.update({k: v for k, v in saved.items() if k in records})
+    def _load_audit_state_dict(self, state: dict) -> None:
+        records = self._audit_records()
+        records.update({k: v for k, v in state["records"].items() if k in records})
 
     def _audit_rng_devices(self) -> list:
         return [self.accelerator.device] if self.accelerator.device.type == "cuda" else []

@@ -1,34 +1,70 @@
-"""Prompt pruning's hooks of ``DPPOTrainer``: the training sampler, the schedule and resume arithmetic that follow
-data progress, the per-batch prompt decision (weights and token normalizer), and the sampler's state in
-checkpoints. The math is in ``dppo_trl.core.prompts`` and ``dppo_trl.core.estimator``; this mixin only wires it into the HF
-Trainer's and TRL's hooks."""
+"""Prompt pruning's hooks of ``DPPOTrainer``: the training sampler, the schedule and progress bar that follow data
+progress in epoch-based runs, the resume arithmetic, the per-batch prompt decision (weights and token normalizer),
+and the sampler's state for checkpoints. The math is in ``dppo_trl.core.prompts`` and ``dppo_trl.core.estimator``.
+
+Reads of the host trainer: ``args``, ``num_generations``, ``num_iterations``, ``shuffle_dataset``,
+``train_dataset``, ``loss_type``, ``state.global_step``, ``_metrics``; ``_local`` and ``_same_on_every_rank`` (the
+keep decision)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import torch
+from transformers import TrainerCallback
 
-from .callbacks import DataProgressScheduler
 from ..core.estimator import prompt_pruning_normalization, prompt_weighted_token_count
 from ..core.prompts import PromptPruningSampler
 from ..core.seeds import derive_seed
+from .generation_batch import GenerationBatch
 
 
-class PromptPruningHooks:
-    """Mixed into ``DPPOTrainer`` (before ``GRPOTrainer``): every hook falls through to TRL's when
-    ``prompt_keep_rate == 1``."""
+class DataProgressScheduler:
+    """Wraps a step-based LR scheduler so that it follows data progress: each ``step()`` advances it to the
+    number of optimizer steps GRPO would have taken to consume the same prompts. A pruned epoch takes fewer
+    steps but the schedule still reaches its end with the last epoch."""
+
+    def __init__(self, scheduler, target_steps):
+        self.scheduler = scheduler
+        self.target_steps = target_steps
+
+    def step(self, *args, **kwargs):
+        target = self.target_steps()
+        while self.scheduler.last_epoch < target:
+            self.scheduler.step()
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
+
+
+class DataProgressBarCallback(TrainerCallback):
+    """Epoch-based runs with prompt pruning: the progress bar (planned for GRPO's step count) shows data
+    progress, the steps GRPO would have taken to walk as far through the data, so it ends full."""
+
+    def __init__(self, target_steps, callbacks):
+        self.target_steps = target_steps
+        self.callbacks = callbacks
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from transformers.trainer_callback import ProgressCallback
+
+        for callback in self.callbacks():
+            bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
+            if bar is not None:
+                bar.n = min(max(self.target_steps(), state.global_step), bar.total or bar.n)
+                bar.refresh()
+
+
+class PromptPruning:
+    """Mixed into ``DPPOTrainer``; used only while ``prompt_keep_rate < 1``."""
 
     _prompt_sampler: PromptPruningSampler | None = None
-    _prompt_resume: tuple[dict, int] | None = None
+    _prompt_resume: tuple[dict, int] | None = None  # a checkpoint's sampler state, until the sampler exists
     _next_prompt_batch = 0
     _prompts_walked = 0
 
-    def _get_train_sampler(self, dataset=None):
-        if not self.args.prompt_pruning:
-            return super()._get_train_sampler(dataset)
+    def _prompt_pruning_sampler(self, dataset=None) -> PromptPruningSampler:
+        """The training sampler (built once; a checkpoint's state loaded into it)."""
         if self._prompt_sampler is None:
             dataset = self.train_dataset if dataset is None else dataset
             base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
@@ -52,13 +88,6 @@ class PromptPruningHooks:
                 self._prompt_resume = None
         return self._prompt_sampler
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.args.prompt_pruning and self.args.max_steps <= 0 and not isinstance(scheduler, DataProgressScheduler):
-            # Epoch-based: the schedule was planned for GRPO's step count; drive it by data progress instead.
-            self.lr_scheduler = scheduler = DataProgressScheduler(scheduler, self._grpo_equivalent_steps)
-        return scheduler
-
     def _grpo_equivalent_steps(self) -> int:
         """Optimizer steps GRPO would have taken to walk as far through the data as this run has."""
         batches = self._prompts_walked / (self.args.generation_batch_size // self.num_generations)
@@ -74,7 +103,7 @@ class PromptPruningHooks:
         steps_per_epoch = max(math.ceil(units_per_epoch / self.args.gradient_accumulation_steps), 1)
         return (self.state.global_step % steps_per_epoch) * self.args.gradient_accumulation_steps
 
-    def _take_prompt_decision(self, inputs, scores) -> tuple[torch.Tensor, float]:
+    def _take_prompt_decision(self, inputs, scores, batch: GenerationBatch) -> tuple[torch.Tensor, float]:
         """This generation batch's prompt weights (every rank's rows) and its token normalizer, both as the sampler
         planned them before the epoch's acceptance draw (``estimator.prompt_pruning_normalization``); feeds the
         group's mean |A| and mean loss tokens back to the history. Checks that the batch is the one planned."""
@@ -86,12 +115,12 @@ class PromptPruningHooks:
         mine = rows[self._local(len(inputs))]
         if [self.train_dataset[i]["prompt"] for i in mine] != [x["prompt"] for x in inputs]:
             raise RuntimeError("DPPO prompt sampler and trainer disagree on the generation batch's prompts.")
-        loss_tokens = self._row_tokens[:, 2].double()
+        loss_tokens = batch.loss_tokens.double()
         normalizer, factors = prompt_pruning_normalization(
             self.loss_type, decision["normalizer"], decision["normalizers"], loss_tokens
         )
-        self._prompt_sampler.update(decision["prompts"], scores.abs().view(-1, group).mean(1).tolist(),
-                                    loss_tokens.view(-1, group).mean(1).tolist())  # fmt: skip
+        group_scores = scores.abs().view(-1, group).mean(1).tolist()
+        self._prompt_sampler.update(decision["prompts"], group_scores, loss_tokens.view(-1, group).mean(1).tolist())
         prompt_weights = [w * f for w, f in zip(decision["weights"], factors)]
         weights = torch.tensor(prompt_weights, dtype=torch.float64).repeat_interleave(group)
         metrics = self._metrics["train"]
@@ -105,31 +134,20 @@ class PromptPruningHooks:
         )
         return weights, normalizer
 
-    _PROMPT_STATE_FILE = "dppo_prompt_sampler.json"
+    def _prompt_pruning_state_dict(self) -> dict | None:
+        """The sampler's state and the walk's position, for a checkpoint (None before the sampler exists)."""
+        if self._prompt_sampler is None:
+            return None
+        return {
+            "sampler": self._prompt_sampler.state_dict(),
+            "next_batch": self._next_prompt_batch,
+            "prompts_walked": self._prompts_walked,
+        }
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self._prompt_sampler is not None and self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            with open(os.path.join(folder, self._PROMPT_STATE_FILE), "w") as f:
-                json.dump(
-                    {
-                        "sampler": self._prompt_sampler.state_dict(),
-                        "next_batch": self._next_prompt_batch,
-                        "prompts_walked": self._prompts_walked,
-                    },
-                    f,
-                )
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, self._PROMPT_STATE_FILE) if checkpoint else None
-        if self.args.prompt_pruning and path and os.path.exists(path):
-            with open(path) as f:
-                state = json.load(f)
-            self._next_prompt_batch = state["next_batch"]
-            self._prompts_walked = state["prompts_walked"]
-            if self._prompt_sampler is not None:
-                self._prompt_sampler.load_state_dict(state["sampler"], state["next_batch"])
-            else:
-                self._prompt_resume = (state["sampler"], state["next_batch"])
+    def _load_prompt_pruning_state_dict(self, state: dict) -> None:
+        self._next_prompt_batch = state["next_batch"]
+        self._prompts_walked = state["prompts_walked"]
+        if self._prompt_sampler is not None:
+            self._prompt_sampler.load_state_dict(state["sampler"], state["next_batch"])
+        else:
+            self._prompt_resume = (state["sampler"], state["next_batch"])

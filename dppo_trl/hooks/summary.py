@@ -1,5 +1,4 @@
-"""Callbacks and a scheduler wrapper of ``DPPOTrainer``: the summary line, and the schedule and progress bar that
-follow data progress in epoch-based runs with prompt pruning."""
+"""The summary line ``DPPOTrainer`` prints at the end of training."""
 
 from __future__ import annotations
 
@@ -7,24 +6,6 @@ import math
 import time
 
 from transformers import TrainerCallback
-
-
-class DataProgressScheduler:
-    """Wraps a step-based LR scheduler so that it follows data progress: each ``step()`` advances it to the
-    number of optimizer steps GRPO would have taken to consume the same prompts. A pruned epoch takes fewer
-    steps but the schedule still reaches its end with the last epoch."""
-
-    def __init__(self, scheduler, target_steps):
-        self.scheduler = scheduler
-        self.target_steps = target_steps
-
-    def step(self, *args, **kwargs):
-        target = self.target_steps()
-        while self.scheduler.last_epoch < target:
-            self.scheduler.step()
-
-    def __getattr__(self, name):
-        return getattr(self.scheduler, name)
 
 
 def _is_number(value) -> bool:
@@ -64,21 +45,3 @@ class DPPOSummaryCallback(TrainerCallback):
         if audit:
             parts.append(audit)
         print("DPPO summary: " + ", ".join(parts))
-
-
-class DataProgressBarCallback(TrainerCallback):
-    """Epoch-based runs with prompt pruning: the progress bar (planned for GRPO's step count) shows data
-    progress, the steps GRPO would have taken to walk as far through the data, so it ends full."""
-
-    def __init__(self, target_steps, callbacks):
-        self.target_steps = target_steps
-        self.callbacks = callbacks
-
-    def on_step_end(self, args, state, control, **kwargs):
-        from transformers.trainer_callback import ProgressCallback
-
-        for callback in self.callbacks():
-            bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
-            if bar is not None:
-                bar.n = min(max(self.target_steps(), state.global_step), bar.total or bar.n)
-                bar.refresh()

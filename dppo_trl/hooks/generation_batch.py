@@ -1,0 +1,65 @@
+"""``GenerationBatch``: what DPPO decides about one generation batch, built once while the batch is scored and
+passed as an argument to every pass that uses it (the keep draw, the rank exchange, the deferred log-prob passes,
+the micro-batch plan, the audit). Plain data: a test can build one by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+# The key under which ``_generate_and_score_completions`` hands the batch to ``_prepare_inputs`` (popped there).
+BATCH_KEY = "dppo_generation_batch"
+
+
+@dataclasses.dataclass
+class AuditReference:
+    """The audited batch's rows as GRPO has them (empty when the batch has no signal), what the batch is
+    (``hooks.audit``'s kinds), and the seconds its log-prob passes took."""
+
+    rows: dict
+    kind: str
+    seconds: float
+
+
+@dataclasses.dataclass
+class GenerationBatch:
+    """One generation batch's DPPO state, over every rank's rows (``N`` rows, ``world`` ranks).
+
+    Args:
+        deferred_calls: the models of the log-prob passes TRL asked for while scoring (run later, on kept rows).
+        rewards_per_func: (N, F) TRL's rewards per reward function (NaN where a function gave None).
+        row_tokens: (N, 3) long: each row's prompt, completion and loss tokens.
+        padded_widths: (world, 2) long: each rank's padded prompt and completion widths.
+        widths_per_rank: each rank's padded sequence width (every rank's the widest once rows move).
+        kept_lengths_per_rank: per rank, the sequence lengths of the rows it trains, in order.
+        keep: (N,) bool: the keep decision, the same on every rank.
+        weights: (N,) float64: the rows' Horvitz-Thompson weights (times the prompt weights).
+        keep_probabilities: (N,) float64 ``pi``, None for the deterministic designs.
+        prune_summary: ``(keep rate, estimated pruning error)``, None without ``pi``.
+        trl_split_rng_state: the CPU RNG state TRL's shuffle of this batch draws from.
+        audit: GRPO's version of this rank's rows when the batch is audited, else None.
+    """
+
+    deferred_calls: list = dataclasses.field(default_factory=list)
+    rewards_per_func: torch.Tensor | None = None
+    row_tokens: torch.Tensor | None = None
+    padded_widths: torch.Tensor | None = None
+    widths_per_rank: list[int] = dataclasses.field(default_factory=list)
+    kept_lengths_per_rank: list[list[int]] = dataclasses.field(default_factory=list)
+    keep: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    keep_probabilities: torch.Tensor | None = None
+    prune_summary: tuple[float, float] | None = None
+    trl_split_rng_state: torch.Tensor | None = None
+    audit: AuditReference | None = None
+
+    @property
+    def sequence_lengths(self) -> torch.Tensor:
+        """(N,) each row's prompt plus completion tokens."""
+        return self.row_tokens[:, :2].sum(1)
+
+    @property
+    def loss_tokens(self) -> torch.Tensor:
+        """(N,) each row's loss tokens."""
+        return self.row_tokens[:, 2]
