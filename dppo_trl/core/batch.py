@@ -49,11 +49,11 @@ def with_fillers(microbatch: dict, filler: dict, size: int) -> dict:
         return microbatch
     tensor = lambda v: isinstance(v, torch.Tensor) and v.ndim  # noqa: E731
     return {k: torch.cat([v, filler[k].expand(missing, *v.shape[1:])]) if tensor(v) else v
-            for k, v in microbatch.items()}  # fmt: skip
+            for k, v in microbatch.items()}
 
 
 def pad_to_width(batch: dict, key: str, prompt_width: int, completion_width: int, pad_id: int,
-                 per_sequence_ratio: bool) -> torch.Tensor:  # fmt: skip
+                 per_sequence_ratio: bool) -> torch.Tensor:
     """``batch[key]`` padded to common widths, so the rows of several ranks can travel in one gather:
     ``prompt_*`` on the left (prompts are left-padded), tensors as wide as the completions on the right, with
     the value that means "nothing" for the key (the pad token for ids, 1 for the IS ratio, 0 otherwise). Other

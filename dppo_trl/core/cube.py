@@ -130,7 +130,7 @@ def _start(pi: torch.Tensor, x: torch.Tensor, order: torch.Tensor) -> _Walk:
     row_sum = np.bincount(cols[counted], weights=rows[counted], minlength=p).round().astype(np.int64)
     starts = np.searchsorted(rows, np.arange(n + 1))
     walk = _Walk(point.tolist(), starts.tolist(), cols.tolist(), vals.tolist(), p, count.tolist(),
-                 row_sum.tolist(), [0] * n, [], undecided=int(open_.sum()))  # fmt: skip
+                 row_sum.tolist(), [0] * n, [], undecided=int(open_.sum()))
     for c in np.flatnonzero(count == 1).tolist():
         walk.pin(c, +1)
     return walk
@@ -225,7 +225,7 @@ def _coins(generator: torch.Generator | None, chunk: int) -> Iterator[float]:
 
 
 def cube_sample(pi: torch.Tensor, x: torch.Tensor, generator: torch.Generator | None = None,
-                order: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                order: torch.Tensor | None = None) -> torch.Tensor:
     """A balanced sample: row ``n`` kept with probability exactly ``pi[n]``, balanced on the columns of ``x`` in
     priority order. Rows are walked in ``order`` (a random permutation from ``generator`` when None)."""
     if order is None:

@@ -107,7 +107,9 @@ def full_batch_normalizer(
         return float(rows_per_microbatch * accumulation_steps)
     if normalizer == "rows_x_max_length":
         return float(rows_per_microbatch * max_completion_length * accumulation_steps)
-    return loss_token_normalizer(loss_tokens_in_generation_batch, num_processes, steps_per_generation, accumulation_steps)
+    return loss_token_normalizer(
+        loss_tokens_in_generation_batch, num_processes, steps_per_generation, accumulation_steps
+    )
 
 
 def loss_token_normalizer(

@@ -303,7 +303,7 @@ def exchange_plan(plan: list[list[tuple[int, int]]], me: int) -> tuple[int, list
     gathered rows (``source rank x slots + slot``) it receives, in the order the plan lists them."""
     world = len(plan)
     outgoing = [sorted((k, dest) for dest in range(world) for src, k in plan[dest] if src == r and dest != r)
-                for r in range(world)]  # fmt: skip
+                for r in range(world)]
     slots = max((len(rows) for rows in outgoing), default=0)
     leaving = [k for k, _ in outgoing[me]]
     arriving = [src * slots + outgoing[src].index((k, me)) for src, k in plan[me] if src != me]

@@ -65,7 +65,7 @@ def cut_into_batches(
         end = epoch_length if b == count - 1 else chunk[-1][3] + 1
         walked = end - walked_to + (walk_owed if b == 0 else 0)
         batches.append({"prompts": [e[0] for e in chunk], "weights": [e[1] for e in chunk],
-                        "normalizers": [e[2] for e in chunk], "walked": walked})  # fmt: skip
+                        "normalizers": [e[2] for e in chunk], "walked": walked})
         walked_to = end
     leftover = [entry[:3] for entry in entries[count * size :]]
     return batches, leftover, 0 if count else walk_owed + epoch_length
@@ -157,13 +157,13 @@ class PromptPruningSampler(Sampler[int]):
         q, q_bar, normalizer = self.share((q, float(q.mean()), self.normalizer()))
         order = self._next_order()
         accepted = [[i, q_bar / float(q[i]), normalizer, pos]
-                    for pos, (i, a) in enumerate(zip(order, self._accepted(order, q))) if a]  # fmt: skip
+                    for pos, (i, a) in enumerate(zip(order, self._accepted(order, q))) if a]
         plan, self.carry, self.walk_owed = cut_into_batches(
             self.carry, accepted, len(order), self.prompts_per_batch, self.walk_owed
         )
         for batch in plan:
             batch.update(number=self.batches_planned, epoch=self.epoch, normalizer=normalizer, q_bar=q_bar,
-                         accepted_fraction=len(accepted) / max(len(order), 1))  # fmt: skip
+                         accepted_fraction=len(accepted) / max(len(order), 1))
             self.batches_planned += 1
         self.epoch += 1
         return plan

@@ -191,7 +191,7 @@ class PruneProblem:
         if "_pi" in self.__dict__:
             return self.__dict__["_pi"]
         pi, _ = keep_probabilities(self.scores, self.keep_rate, self.keep_floor, self.zero_score_contributes,
-                                   self.contributes_nothing, self.costs if self.budget_in_tokens else None)  # fmt: skip
+                                   self.contributes_nothing, self.costs if self.budget_in_tokens else None)
         object.__setattr__(self, "_pi", pi)
         return pi
 
@@ -231,9 +231,17 @@ _DESIGNS: dict[str, tuple[Design, bool]] = {}
 def register_design(name: str, unbiased: bool):
     """Register ``fn(problem, generator) -> (keep, pi)`` as the sampling design ``name``. An unbiased design keeps
     row ``n`` with probability exactly ``pi[n]`` (its rows then carry ``1 / pi``); a biased one returns
-    ``pi=None`` and its kept rows carry weight 1."""
+    ``pi=None`` and its kept rows carry weight 1. A taken name is refused, unless it is the same function again
+    (the same module and name: a reloaded module)."""
 
     def decorate(fn: Design) -> Design:
+        if name in _DESIGNS:
+            taken, _ = _DESIGNS[name]
+            if (taken.__module__, taken.__qualname__) != (fn.__module__, fn.__qualname__):
+                raise ValueError(
+                    f"register_design: the name {name!r} is taken by {taken.__module__}.{taken.__qualname__}; "
+                    f"choose another name (registered: {list(_DESIGNS)})."
+                )
         _DESIGNS[name] = (fn, unbiased)
         return fn
 
@@ -275,7 +283,7 @@ def random_group_ranks(groups: torch.Tensor, generator: torch.Generator) -> torc
 
 
 def stratified_order(advantages: torch.Tensor, costs: torch.Tensor, groups: torch.Tensor,
-                     generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+                     generator: torch.Generator) -> torch.Tensor:
     """Rows sorted by group (the groups in a random order), then by the sign of the advantage (positive first),
     then by length (longest first): consecutive intervals of ``stratified``'s systematic pass."""
     rank = random_group_ranks(groups, generator)
@@ -295,7 +303,7 @@ def _stratified(problem: PruneProblem, generator: torch.Generator):
 
 
 def balancing_variables(pi: torch.Tensor, problem: PruneProblem, generator: torch.Generator,
-                        sparse: bool = False) -> torch.Tensor:  # fmt: skip
+                        sparse: bool = False) -> torch.Tensor:
     """``balanced``'s balancing variables (N x p, columns in priority order): the budget (``pi``: the kept count;
     ``pi * cost`` under a token budget: the kept tokens), each group's advantages (the groups with a nonzero
     one, in a random order: its reweighted advantages sum to the group's), then the other of rows and tokens.
@@ -313,7 +321,7 @@ def balancing_variables(pi: torch.Tensor, problem: PruneProblem, generator: torc
     first, last = (tokens, rows) if problem.budget_in_tokens else (rows, tokens)
     index = torch.cat([torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)]),
                        torch.stack([in_group, column[problem.groups[in_group]]]),
-                       torch.stack([torch.arange(n), torch.full((n,), p - 1)])], dim=1)  # fmt: skip
+                       torch.stack([torch.arange(n), torch.full((n,), p - 1)])], dim=1)
     values = torch.cat([first, advantages[in_group], last])
     x = torch.sparse_coo_tensor(index, values, (n, p), check_invariants=True).coalesce()
     return x if sparse else x.to_dense()

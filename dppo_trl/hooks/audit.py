@@ -63,7 +63,7 @@ class GradientAudit:
         (for the summary line, the measured adaptive keep rate and checkpoints)."""
         if "_audit_log" not in self.__dict__:
             self._audit_log = {"audits": 0, "no_signal": 0, "cosine": [], "ratio": [], "projection": [],
-                               "bias_t": [], "alarm_at": None}  # fmt: skip
+                               "bias_t": [], "alarm_at": None}
         return self._audit_log
 
     def _audit_this_batch(self) -> bool:
@@ -145,7 +145,7 @@ class GradientAudit:
                 rows["old_per_token_logps"], rows["sampling_per_token_logps"], loss_mask(rows),
                 self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
                 self.vllm_importance_sampling_clip_max,
-            ).to(rows["importance_sampling_ratio"].dtype)  # fmt: skip
+            ).to(rows["importance_sampling_ratio"].dtype)
         return AuditReference(rows, kind, time.perf_counter() - start)
 
     def _audit_generation_batch(self, batch: GenerationBatch, dppo_microbatches: list[dict]) -> None:
@@ -177,7 +177,7 @@ class GradientAudit:
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if self._audit_sketch is None:
             self._audit_sketch = make_sketch(sum(p.numel() for _, p in params), self.args.audit_sketch_dim,
-                                             self.args.audit_exact_params, self.args.seed)  # fmt: skip
+                                             self.args.audit_exact_params, self.args.seed)
         saved_metrics = {key: list(values) for key, values in self._metrics["train"].items()}
         saved_state = {name: getattr(self, name) for name in _LOSS_STATE if hasattr(self, name)}
         try:
@@ -258,7 +258,7 @@ class GradientAudit:
                 "estimate GRPO's gradient without bias on this run.", len(records["projection"]),
                 "shorter than" if t < 0 else "longer than", 100 * statistics.fmean(records["projection"]), t,
                 BIAS_ALARM_T, self.args.prune_sampling,
-            )  # fmt: skip
+            )
         metrics["dppo/audit_bias_alarm"].append(float(records["alarm_at"] is not None))
 
     def _audit_summary(self) -> str | None:

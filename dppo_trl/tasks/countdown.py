@@ -39,7 +39,7 @@ def training_draws(starts: list[int], size: int, rng: random.Random) -> list[int
 def countdown_splits(
     train_size: int = 512, heldout_fraction: float = 0.25, seed: int = 0, low: int = SMALLEST_START,
     high: int = LARGEST_START,
-) -> tuple[list[int], list[int]]:  # fmt: skip
+) -> tuple[list[int], list[int]]:
     """(train starts, held-out starts): the starts ``low..high`` split at random into disjoint sets; the
     training list is ``train_size`` ``training_draws`` from the training starts; the held-out list is every
     held-out start once, in increasing order (``training_draws`` of it give an evaluation set of the same law)."""
@@ -79,7 +79,7 @@ def heldout_accuracy(model, tokenizer, starts: list[int], greedy: bool = True, s
 
 
 def warm_start(directory, heldout_starts: list[int], sft_steps: int = 300, hidden_size: int = 128,
-               num_layers: int = 2, lr: float = 3e-3, seed: int = 0) -> dict:  # fmt: skip
+               num_layers: int = 2, lr: float = 3e-3, seed: int = 0) -> dict:
     """A character Qwen2 warm-started with ``sft_steps`` supervised steps (batch 32) on ``warm_start_starts``,
     saved with its tokenizer to ``directory``; returns its last loss and greedy held-out accuracy."""
     tokenizer = build_tokenizer()

@@ -63,7 +63,7 @@ def build_tiny_model(
     )
     if moe:
         config = Qwen3MoeConfig(**common, head_dim=hidden_size // 4, moe_intermediate_size=hidden_size, num_experts=4,
-                                num_experts_per_tok=2, decoder_sparse_step=1, router_aux_loss_coef=0.001)  # fmt: skip
+                                num_experts_per_tok=2, decoder_sparse_step=1, router_aux_loss_coef=0.001)
         model = Qwen3MoeForCausalLM(config)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))

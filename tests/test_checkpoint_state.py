@@ -1,0 +1,52 @@
+"""DPPO's state in a checkpoint: one file (``dppo_state.json``) with each stateful part's ``state_dict``, and the
+two files of checkpoints written before it (recorded from that code in tests/golden/old_checkpoint/) resume the
+same run to the same parameters."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from support import golden
+
+from dppo_trl.hooks.checkpoint import STATE_FILE, load_dppo_state
+
+pytestmark = pytest.mark.slow
+
+OLD_FILES = {"prompt_pruning": "dppo_prompt_sampler.json", "audit": "dppo_audit.pt"}
+
+
+def resumed_parameters(kind, model_dir, output_dir, checkpoint):
+    trainer = golden.checkpointed_trainer(kind, model_dir, output_dir)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
+
+
+@pytest.mark.parametrize("kind", sorted(golden.CHECKPOINTED))
+def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_model_dir, tmp_path):
+    golden.checkpointed_trainer(kind, str(tiny_model_dir), tmp_path / "run").train()
+    new = tmp_path / "run" / "checkpoint-4"
+    dppo_files = sorted(p.name for p in new.iterdir() if p.name.startswith("dppo"))
+    assert dppo_files == [STATE_FILE]
+    assert set(json.loads((new / STATE_FILE).read_text())) == {kind}
+
+    old = tmp_path / "old-checkpoint-4"
+    shutil.copytree(new, old)
+    (old / STATE_FILE).unlink()
+    shutil.copy(golden.OLD_CHECKPOINT / OLD_FILES[kind], old / OLD_FILES[kind])
+    assert json.loads(json.dumps(load_dppo_state(str(old)))) == load_dppo_state(str(new))
+
+    from_new, trainer_new = resumed_parameters(kind, str(tiny_model_dir), tmp_path / "from-new", new)
+    from_old, trainer_old = resumed_parameters(kind, str(tiny_model_dir), tmp_path / "from-old", old)
+    assert trainer_new.state.global_step == trainer_old.state.global_step == 8
+    for name, p in from_new.items():
+        assert torch.equal(p, from_old[name]), name
+    if kind == "audit":
+        assert trainer_old._audit_records()["audits"] == trainer_new._audit_records()["audits"] > 0
+
+
+def test_no_state_no_file(tmp_path):
+    from dppo_trl.hooks.checkpoint import save_dppo_state
+
+    save_dppo_state(str(tmp_path), {"prompt_pruning": None, "audit": None})
+    assert not (tmp_path / STATE_FILE).exists() and load_dppo_state(str(tmp_path)) == {}
