@@ -169,3 +169,33 @@ def test_the_trl_helpers_dppo_imports_exist():
                    use_adapter):
         assert callable(helper)
     assert "batch_size" in inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+
+
+def test_dppos_own_passes_report_to_trls_profiler(tiny_model_dir, train_dataset, tmp_path, monkeypatch):
+    """``profiling_decorator`` on the keep decision, the rank balance, the deferred log-prob passes, the packed
+    forward and the micro-batch plan: TRL's profiler sees each (it logs them to wandb, mlflow or trackio)."""
+    import contextlib
+
+    import trl.extras.profiling
+
+    from dppo_trl import DPPOConfig
+
+    seen = []
+
+    @contextlib.contextmanager
+    def recording_context(trainer, name):
+        seen.append(name)
+        yield
+
+    monkeypatch.setattr(trl.extras.profiling, "profiling_context", recording_context)
+    args = DPPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=4, report_to=[], max_steps=2, steps_per_generation=2, completion_keep_rate=0.5,
+        packing=True, num_iterations=2,
+    )
+    trainer = DPPOTrainer(str(tiny_model_dir), lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=args, train_dataset=train_dataset)
+    trainer.train()
+    passes = {"_draw_keep_mask", "_balance_ranks", "_run_deferred_logps", "_packed_logps_and_entropies",
+              "_kept_microbatches"}
+    assert passes <= set(seen), sorted(passes - set(seen))
