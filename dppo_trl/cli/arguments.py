@@ -1,28 +1,15 @@
-"""``dppo-trl``: the ``trl grpo`` command line with DPPO.
-
-Every argument and YAML key of ``trl grpo`` (TRL's ``GRPOScriptArguments``, ``GRPOConfig``, ``ModelConfig``,
-``DatasetMixtureConfig``, the ``env:`` mapping, the ``accelerate launch`` options such as ``--num_processes``
-and ``--accelerate_config``), plus every ``DPPOConfig`` field, with the same precedence (flags over YAML). It is
-built on TRL's own parser and training script: TRL's ``grpo.main`` runs with ``DPPOTrainer`` in place of
-``GRPOTrainer``. Unlike ``trl grpo``, an unknown key stops it before anything is loaded, naming the closest
-valid key. ``--config`` takes a YAML file or the name of a recipe shipped in the package (``recipes/`` of the
-repository, ``dppo_trl/recipes`` once installed). ``--num_processes N`` > 1 on the CPU starts N processes
-(torch.distributed.run, gloo), where ``accelerate launch`` would start one; on GPUs where it would start one,
-it is refused (see ``process_plan``).
-
-    dppo-trl --config qwen3-4b-math-lora
-    dppo-trl --config my.yaml --num_processes 8 --accelerate_config zero2
-"""
+"""What a ``dppo-trl`` command line means, decided before anything is loaded: the parser (TRL's, with the DPPO
+fields, the ``reasoning_gym_*`` keys and the ``accelerate launch`` options in its help), ``--config`` as a YAML
+file or a shipped recipe, the launch arguments split from the training ones, and every check that stops a bad
+command line or YAML with one ``CLIError`` line."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import functools
 import json
 import os
-import sys
 from pathlib import Path
 
 # Launch options shown with their help text in `dppo-trl --help`; the others are listed by name.
@@ -60,7 +47,7 @@ def recipes_dir() -> Path:
     try:
         return Path(str(files("dppo_trl.recipes")))
     except ModuleNotFoundError:  # a checkout on sys.path without any install
-        return Path(__file__).resolve().parent.parent / "recipes"
+        return Path(__file__).resolve().parents[2] / "recipes"
 
 
 def bundled_recipes() -> dict[str, Path]:
@@ -163,21 +150,27 @@ def script_arguments_class():
     class DPPOScriptArguments(GRPOScriptArguments):
         reasoning_gym_task: str | None = field(
             default=None,
-            metadata={"help": "A reasoning-gym task as the training set (e.g. chain_sum), in place of dataset_name; "
-                      "pair it with the reward dppo_trl.tasks.reasoning_gym.reasoning_gym_reward."},
-        )  # fmt: skip
+            metadata={
+                "help": "A reasoning-gym task as the training set (e.g. chain_sum), in place of dataset_name; "
+                "pair it with the reward dppo_trl.tasks.reasoning_gym.reasoning_gym_reward."
+            },
+        )
         reasoning_gym_options: str | None = field(
             default=None,
-            metadata={"help": "The task generator's options: a YAML mapping, or JSON on the command line "
-                      "(e.g. '{\"min_terms\": 2, \"max_terms\": 2}')."},
-        )  # fmt: skip
+            metadata={
+                "help": "The task generator's options: a YAML mapping, or JSON on the command line "
+                "(e.g. '{\"min_terms\": 2, \"max_terms\": 2}')."
+            },
+        )
         reasoning_gym_size: int = field(default=1000, metadata={"help": "Entries the task generates."})
         reasoning_gym_seed: int = field(default=0, metadata={"help": "The task generator's seed."})
         reasoning_gym_answer_format: str = field(
             default="answer_tag",
-            metadata={"help": "How the reward reads the answer from a completion: answer_tag (<answer>...</answer>), "
-                      "last_number, last_line or full."},
-        )  # fmt: skip
+            metadata={
+                "help": "How the reward reads the answer from a completion: answer_tag (<answer>...</answer>), "
+                "last_number, last_line or full."
+            },
+        )
         reasoning_gym_instruction: str | None = field(
             default=None,
             metadata={"help": "Text appended to each question (default: one that asks for the answer format)."},
@@ -206,7 +199,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 def make_parser(prog: str = "dppo-trl"):
     from trl import DatasetMixtureConfig, ModelConfig
 
-    from .config import DPPOConfig
+    from ..config import DPPOConfig
 
     recipes = ", ".join(bundled_recipes())
     description = (
@@ -311,7 +304,7 @@ def _check_dataset_kind(script_args, training_args, dataset_args) -> None:
 def _check_reasoning_gym(script_args, dataset_args) -> None:
     """A ``reasoning_gym_task`` is the dataset: it exists, its answer format is known, and no other dataset is given
     beside it. Checked before anything is loaded."""
-    from .tasks.reasoning_gym import check_answer_format, check_task
+    from ..tasks.reasoning_gym import check_answer_format, check_task
 
     if script_args.reasoning_gym_task is None:
         return
@@ -322,45 +315,6 @@ def _check_reasoning_gym(script_args, dataset_args) -> None:
         check_answer_format(script_args.reasoning_gym_answer_format)
     except (ImportError, ValueError) as error:
         raise CLIError(f"reasoning_gym: {error}") from None
-
-
-@contextlib.contextmanager
-def _reasoning_gym_as_dataset(script_args, with_test_split: bool = False):
-    """TRL's script loads ``dataset_name`` with ``datasets.load_dataset``; with a ``reasoning_gym_task`` it gets the
-    task's rows (``dppo_trl.tasks.reasoning_gym``) as the train split instead, and, where it evaluates
-    (``with_test_split``), a test split: the generator's next seed, at most 256 entries (a fresh draw, not
-    disjoint from the train split)."""
-    if script_args.reasoning_gym_task is None:
-        yield
-        return
-    import datasets
-
-    from .tasks.reasoning_gym import reasoning_gym_dataset
-
-    name = f"reasoning-gym/{script_args.reasoning_gym_task}"
-    make = functools.partial(
-        reasoning_gym_dataset,
-        script_args.reasoning_gym_task,
-        answer_format=script_args.reasoning_gym_answer_format,
-        instruction=script_args.reasoning_gym_instruction,
-        **(script_args.reasoning_gym_options or {}),
-    )
-    seed, size = script_args.reasoning_gym_seed, script_args.reasoning_gym_size
-    splits = {script_args.dataset_train_split: make(size=size, seed=seed)}
-    if with_test_split:
-        splits[script_args.dataset_test_split] = make(size=min(size, 256), seed=seed + 1)
-    original = datasets.load_dataset
-
-    def load(path, *args, **kwargs):
-        if path == name:
-            return datasets.DatasetDict(splits)
-        return original(path, *args, **kwargs)
-
-    script_args.dataset_name, datasets.load_dataset = name, load
-    try:
-        yield
-    finally:
-        datasets.load_dataset = original
 
 
 def parse(argv: list[str]):
@@ -397,7 +351,7 @@ def _expand_model_path(model_args) -> None:
     """``model_name_or_path`` with ``~`` and ``$VARS`` expanded (a recipe can name a folder in the user's cache,
     e.g. the one ``dppo-trl-smollm2`` writes); a Hub name is left as it is. A missing SmolLM2 folder is a CLIError
     that says how to make it."""
-    from .smollm2 import FOLDER_NAME, HUB_NAME
+    from ..smollm2 import FOLDER_NAME, HUB_NAME
 
     name = model_args.model_name_or_path
     if not name or not (name.startswith("~") or "$" in name):
@@ -422,167 +376,3 @@ def _check_demo_prepared(script_args, model_args) -> None:
                 "directory first (it writes demo-output/), or point the recipe elsewhere with "
                 "--model_name_or_path and --dataset_name."
             )
-
-
-@contextlib.contextmanager
-def _dppo_in_place_of_grpo(made: list):
-    """TRL's training script builds `trl.GRPOTrainer`; let it build DPPOTrainer instead, each one appended to
-    ``made`` (which keeps it alive after the script returns)."""
-    import trl
-
-    from .trainer import DPPOTrainer
-
-    def build(*args, **kwargs):
-        made.append(DPPOTrainer(*args, **kwargs))
-        return made[-1]
-
-    original = trl.GRPOTrainer
-    trl.GRPOTrainer = build
-    try:
-        yield
-    finally:
-        trl.GRPOTrainer = original
-
-
-def _exit_without_finalizers() -> None:
-    """End the process as Python's own exit does, but for its last stage: join the non-daemon Python threads (and
-    run ``threading``'s exit hooks, e.g. ``concurrent.futures``' pools), run the ``atexit`` handlers (a tracker's
-    final sync such as ``wandb.finish``, ``logging.shutdown``, ``weakref.finalize`` callbacks), flush stdout and
-    stderr, then ``os._exit(0)``: no garbage collection, so no object is freed and no ``__del__`` runs (the
-    trainer, still referenced by the caller, is never freed). The threads and handlers run while the trainer is
-    alive, before anything is torn down."""
-    import atexit
-    import threading
-
-    try:
-        shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx runs first (CPython's, private)
-        if shutdown is not None:
-            shutdown()
-        atexit._run_exitfuncs()  # then this: every handler, in reverse order; errors are printed, not raised
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def run(script_args, training_args, model_args, dataset_args) -> None:
-    """TRL's GRPO training script with DPPOTrainer. A process of a group of CPU processes (gloo) ends right after
-    the script (which saved the model and destroyed the process group), without freeing the trainer: freeing
-    DDP's reducer frees its gloo process group, whose destructor joins gloo's worker thread while holding the
-    GIL, and that thread may still need the GIL to free the last collective's tensors, so a finished rank hangs
-    at exit (a torch race, pytorch/pytorch#56297; measured: 1 two-process run in 6). It ends through
-    ``_exit_without_finalizers``: the exit handlers run (a tracker's final sync), only the finalizers do not."""
-    from trl.scripts.grpo import main as grpo_main
-
-    made: list = []
-    evaluates = training_args.eval_strategy != "no"
-    with _dppo_in_place_of_grpo(made), _reasoning_gym_as_dataset(script_args, evaluates):
-        grpo_main(script_args, training_args, model_args, dataset_args)
-    accelerator = made[-1].accelerator if made else None
-    if accelerator is not None and accelerator.num_processes > 1 and accelerator.device.type == "cpu":
-        _exit_without_finalizers()
-
-
-_DISTRIBUTED_LAUNCHERS = ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu")
-
-
-def process_plan(num_processes: int, multi_process_launcher: bool, on_cpu: bool, devices: int) -> str:
-    """How the ``num_processes`` processes asked for get started, given how ``accelerate launch`` would read the
-    launch options (``multi_process_launcher``: through torch.distributed.run, DeepSpeed, mpirun, ...) and
-    where the run goes: ``"accelerate"`` (it starts them as asked: one, or N through that launcher) or ``"cpu"``
-    (N > 1 processes on the CPU, which accelerate's single-process launcher would silently cut to one; they go
-    through torch.distributed.run with gloo instead). N > 1 on GPUs that accelerate would give a single process
-    (fewer than two GPUs, or a config file of one process) is a CLIError that names --num_processes. The
-    invariant: never one process where N > 1 were asked for."""
-    if num_processes <= 1 or multi_process_launcher:
-        return "accelerate"
-    if on_cpu:
-        return "cpu"
-    visible = f"{devices} GPU{'' if devices == 1 else 's'} visible"
-    raise CLIError(
-        f"--num_processes {num_processes} would start a single process here ({visible}): `accelerate launch` "
-        "starts several only through a multi-process launcher (one process per GPU, --multi_gpu, or an "
-        "--accelerate_config of that kind). Use --num_processes 1, or add --use_cpu true to run "
-        f"{num_processes} processes on the CPU."
-    )
-
-
-def _accelerate_reading(accelerate_args):
-    """``accelerate launch``'s own reading of ``accelerate_args`` (its config file, its defaults, the GPUs it
-    finds), on a copy and without its warnings (the launch prints them): (number of processes, whether it
-    would use a multi-process launcher)."""
-    import copy
-    import logging
-
-    from accelerate.commands.launch import _validate_launch_command
-    from accelerate.utils import ComputeEnvironment
-
-    logger = logging.getLogger("accelerate.commands.launch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        args, defaults, _ = _validate_launch_command(copy.deepcopy(accelerate_args))
-    except ValueError as error:  # e.g. two of --cpu, --multi_gpu, --use_deepspeed
-        raise CLIError(str(error)) from None
-    finally:
-        logger.setLevel(level)
-    sagemaker = defaults is not None and defaults.compute_environment == ComputeEnvironment.AMAZON_SAGEMAKER
-    distributed = any(getattr(args, name, False) for name in _DISTRIBUTED_LAUNCHERS) and not args.cpu
-    return args.num_processes or 1, distributed or sagemaker or args.mpirun_hostfile is not None
-
-
-def plan_launch(launch_args: list[str], training_argv: list[str], use_cpu: bool):
-    """(the ``accelerate launch`` arguments that start the run, the environment they need). ``--num_processes
-    N`` > 1 on the CPU (``--cpu``, ``use_cpu``, or no GPU) goes to accelerate's multi-GPU launcher, which is
-    torch.distributed.run and works on the CPU (gloo), with ACCELERATE_USE_CPU so that every process joins the
-    CPU group; accelerate's own CPU launcher would start one process (see ``process_plan``)."""
-    import torch
-    from accelerate.commands.launch import launch_command_parser
-
-    args = launch_command_parser().parse_args(launch_args + ["--module", "dppo_trl"] + training_argv)
-    num_processes, multi_process_launcher = _accelerate_reading(args)
-    on_cpu = args.cpu or use_cpu or not torch.accelerator.is_available()
-    devices = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
-    if process_plan(num_processes, multi_process_launcher, on_cpu, devices) == "accelerate":
-        return args, {}
-    # --multi_gpu picks accelerate's torch.distributed.run launcher; use_cpu, its CPU threads per process
-    args.cpu, args.use_cpu, args.multi_gpu, args.num_processes = False, True, True, num_processes
-    if args.main_process_port is None and (args.num_machines or 1) <= 1:
-        args.standalone = True  # torch.distributed.run binds a free local port itself
-    print(f"dppo-trl: {num_processes} processes on the CPU (torch.distributed.run, gloo)", file=sys.stderr)
-    return args, {"ACCELERATE_USE_CPU": "true"}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    launching = False
-    try:
-        script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
-        _expand_model_path(model_args)
-        _check_demo_prepared(script_args, model_args)
-        launching = bool(launch_args) and os.environ.get("DPPO_TRL_LAUNCHED") != "1"
-        if launching:
-            from trl.cli.accelerate_config import resolve_accelerate_config_argument
-
-            try:
-                launch_args = resolve_accelerate_config_argument(launch_args)
-            except ValueError as error:  # an --accelerate_config that is neither a file nor one TRL ships
-                raise CLIError(str(error)) from None
-            accelerate_args, launch_env = plan_launch(launch_args, training_argv, training_args.use_cpu)
-    except CLIError as error:
-        print(error, file=sys.stderr)
-        raise
-    if launching:
-        from accelerate.commands.launch import launch_command
-        from accelerate.utils import patch_environment
-
-        os.environ["DPPO_TRL_LAUNCHED"] = "1"  # the launched processes run the training, not another launch
-        with patch_environment(**launch_env):
-            launch_command(accelerate_args)
-        return 0
-    run(script_args, training_args, model_args, dataset_args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
