@@ -1,16 +1,20 @@
-"""``DPPOConfig``: ``GRPOConfig`` plus the completion-pruning fields, validated at construction."""
+"""``DPPOConfig``: ``GRPOConfig`` plus DPPO's fields, validated at construction. The class docstring is the fields'
+reference; ``ALLOWED_VALUES`` says what each accepts and ``UNUSED_SETTING_RULES`` when a valid setting goes unused.
+docs/config.md is generated from the three (``python -m dppo_trl.config_reference --write``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from transformers.utils import logging
 from trl import GRPOConfig
 
 from .core.estimator import SUPPORTED_LOSS_TYPES
-from .core.pruning import default_length_exponent, get_design, sampling_designs, unbiased_designs
+from .core.pruning import default_length_exponent, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
 
@@ -23,199 +27,273 @@ KEEP_BUDGETS = ("rows", "tokens")
 ADAPTIVE_ERROR_SOURCES = ("model", "audit")
 _DEFAULT_AUDIT_SKETCH_DIM = 4096
 _DEFAULT_AUDIT_EXACT_PARAMS = 1 << 23
+_SEE_REFERENCE = " See docs/config.md."  # ends the help= of every DPPO field (what `dppo-trl --help` shows)
 
 
-def _is_number(value) -> bool:
-    """An int or float, not a bool (the range checks then compare it; NaN fails every comparison)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def is_real_number(value, *, finite: bool = False) -> bool:
+    """Whether ``value`` is an int or a float, not a bool; with ``finite``, also neither NaN nor +-inf. Without it
+    NaN passes, for range checks to refuse: ``low < value <= high`` is false for NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return not finite or math.isfinite(value)
 
 
-def _check_unit_interval(name: str, value) -> None:
-    if not _is_number(value) or not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"{name}={value!r} is invalid: it must be a number in (0, 1].")
+def _integer(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _in_unit_interval(value) -> bool:
+    return is_real_number(value) and 0 < value <= 1
+
+
+def _registered_design(value) -> bool:
+    return isinstance(value, str) and value in sampling_designs()
+
+
+class Allowed(NamedTuple):
+    """What a field accepts (``accepts(value)``) and the words for it (``says``: a text, or a function giving one
+    when it is read) of the field's error and of docs/config.md's "allowed" column."""
+
+    accepts: Callable[[Any], bool]
+    says: str | Callable[[], str]
+
+
+_UNIT_INTERVAL = Allowed(_in_unit_interval, "a number in (0, 1]")
+
+# In the fields' order (loss_type last), read by one loop (DPPOConfig._validate_dppo_fields); each error names the
+# field, the value and what is allowed.
+ALLOWED_VALUES: dict[str, Allowed] = {
+    "completion_keep_rate": _UNIT_INTERVAL,
+    "keep_floor": _UNIT_INTERVAL,
+    "prune_sampling": Allowed(_registered_design, lambda: f"one of {list(sampling_designs())}"),
+    "keep_budget": Allowed(lambda v: v in KEEP_BUDGETS, f"one of {list(KEEP_BUDGETS)}"),
+    "score_length_exponent": Allowed(lambda v: v is None or is_real_number(v) and -2 <= v <= 2,
+                                     "None or a number in [-2, 2]"),
+    "adaptive_keep_error": Allowed(lambda v: v is None or is_real_number(v, finite=True) and v > 0,
+                                   "None or a finite number > 0"),
+    "adaptive_keep_error_source": Allowed(lambda v: v in ADAPTIVE_ERROR_SOURCES,
+                                          f"one of {list(ADAPTIVE_ERROR_SOURCES)}"),
+    "prune_seed": Allowed(lambda v: v is None or _integer(v, 0), "None or an integer >= 0"),
+    "audit_every": Allowed(lambda v: _integer(v, 0), "an integer >= 0"),
+    "audit_sketch_dim": Allowed(lambda v: _integer(v, 1), "an integer >= 1"),
+    "audit_exact_params": Allowed(lambda v: _integer(v, 0), "an integer >= 0"),
+    "prompt_keep_rate": _UNIT_INTERVAL,
+    "prompt_keep_floor": _UNIT_INTERVAL,
+    "prompt_history_decay": Allowed(lambda v: is_real_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "packing": Allowed(lambda v: isinstance(v, bool), "True or False"),
+    "max_packed_tokens": Allowed(lambda v: v is None or _integer(v, 1), "None or an integer >= 1"),
+    # GRPO's field, checked in every configuration: GRPOConfig accepts a typo, which fails at the first loss.
+    "loss_type": Allowed(lambda v: v in SUPPORTED_LOSS_TYPES, f"one of {list(SUPPORTED_LOSS_TYPES)}"),
+}
+
+
+def allowed_values(name: str) -> str:
+    """What field ``name`` accepts, in words (``ALLOWED_VALUES``)."""
+    says = ALLOWED_VALUES[name].says
+    return says() if callable(says) else says
 
 
 @dataclass
 class DPPOConfig(GRPOConfig):
-    r"""Configuration of [`DPPOTrainer`]: every field of TRL's `GRPOConfig`, plus the pruning fields below.
+    r"""
+    Configuration class for `DPPOTrainer`: TRL's `GRPOConfig`, every field of which works as in TRL, plus the DPPO
+    fields below. Each is validated when the config is built, before any model is loaded, with an error that names
+    the field, the value and what is allowed (`ALLOWED_VALUES`); valid settings that the configuration does not use
+    give one warning, not an error (`UNUSED_SETTING_RULES`): sweeps and one-flag baselines override one field over
+    a recipe that sets others. docs/config.md is generated from `DPPOConfig`'s docstring and those two tables of
+    dppo_trl/config.py (`python -m dppo_trl.config_reference --write`; `tests/test_config_reference.py` fails
+    when they disagree).
 
-    Completion pruning draws, after TRL has computed advantages on the full groups, a random subset of the
-    generation batch: row `n` is kept with probability `pi_n = clip(|A_n| / tau, keep_floor, 1)` (rows with
-    `A_n == 0` that contribute nothing get `pi_n = 0`), and kept rows are weighted by `1 / pi_n`, so the
-    expected loss and gradient equal GRPO's exactly. See `docs/estimator.md`.
+    Parameters:
+        > Parameters that control completion pruning
+
+        completion_keep_rate (`float`, *optional*, defaults to `0.5`):
+            Target fraction of the generation batch that enters the log-prob and loss passes: the keep
+            probabilities sum to this fraction of its rows, or of its tokens under `keep_budget="tokens"` (more
+            when `keep_floor` forces it). `1.0` switches completion pruning off, except under
+            `prune_sampling="zero_variance"`, which does not use the rate.
+        keep_floor (`float`, *optional*, defaults to `0.05`):
+            Smallest keep probability of a row that can contribute to the loss: it caps the Horvitz-Thompson weight
+            `1 / pi` at `1 / keep_floor`.
+        prune_sampling (`str`, *optional*, defaults to `"stratified"`):
+            The sampling design that draws the kept rows: unbiased, the kept rows weighted by `1 / pi`
+            (`"stratified"`, `"systematic"`, `"poisson"`, `"balanced"`), or a biased baseline without weights
+            (`"topk"`: CPPO's; `"zero_variance"`: DAPO's filter of the groups whose rewards are all equal). What
+            each does, what it costs and which to use: `docs/estimator.md`, section 3; the measurements behind the
+            default: `docs/benchmarks.md`, "Gradient error per unit of compute". Any name registered with
+            `dppo_trl.core.pruning.register_design` is accepted.
+        keep_budget (`str`, *optional*, defaults to `"rows"`):
+            What `completion_keep_rate` is a fraction of, for the unbiased designs: `"rows"`, the generation
+            batch's completions (`sum(pi) = rate x N`), or `"tokens"`, its prompt + completion tokens, what the
+            log-prob and loss passes cost (`sum(pi x L) = rate x sum(L)`).
+        score_length_exponent (`float`, *optional*):
+            `gamma` of the keep scores `|A| x L^gamma` (`L`: the row's prompt + completion tokens); `0` scores `|A|`.
+            `None`: the unbiased designs take the default of `loss_type` (the values, and why:
+            `docs/estimator.md`, section 3), `"topk"` takes `0` (CPPO's `|A|`).
+        adaptive_keep_error (`float`, *optional*):
+            When set (e.g. `0.3`), each generation batch's keep rate is the smallest from `completion_keep_rate` up
+            to 1 whose estimated pruning error (`dppo/pruning_error`) is at most this value: `completion_keep_rate`
+            becomes the fewest kept. The rate is a function of the batch alone, so the design stays exactly
+            unbiased (`docs/estimator.md`, section 3). `None`: a fixed rate.
+        adaptive_keep_error_source (`str`, *optional*, defaults to `"model"`):
+            What `adaptive_keep_error` bounds: `"model"`, the model-based `dppo/pruning_error`; `"audit"`, the
+            gradient audit's measured error: the target is divided by the median ratio of measured to model-based
+            error over the batches audited so far that pruned (1 before the first), so a batch's keep rate depends
+            only on earlier batches and its own scores, never on its own draw.
+        prune_seed (`int`, *optional*):
+            Seed of DPPO's draws only (the keep draws and prompt pruning's acceptance draws); `None`: derived from
+            `seed`. Runs with the same `seed` and different `prune_seed` generate the same first completions and
+            differ only in their masks.
+
+        > Parameters that control the gradient audit
+
+        audit_every (`int`, *optional*, defaults to `0`):
+            Every this many generation batches (the same on every rank), before the batch's first optimizer step,
+            GRPO's and DPPO's gradients of the batch are computed at the current parameters and compared
+            (`dppo/audit_*`, with a bias statistic and its alarm); training is unchanged. `0`: off. What it logs,
+            costs and holds in memory: `docs/usage.md`, "The gradient audit". Refused with `prompt_keep_rate < 1`
+            (prompt weights are unbiased over an epoch, not within one batch), DeepSpeed or FSDP (the audit takes
+            gradients of the unsharded parameters).
+        audit_sketch_dim (`int`, *optional*, defaults to `4096`):
+            Directions `k` of the audit's CountSketch of the gradients (seeded, the same on every rank), used above
+            `audit_exact_params` trainable parameters: norms and cosines within about `sqrt(2 / k)` relative.
+        audit_exact_params (`int`, *optional*, defaults to `8388608`):
+            Up to this many trainable parameters the audit compares the gradients exactly, above it through the
+            sketch (the memory of each: `docs/usage.md`, "The gradient audit"). `0`: always sketch.
+
+        > Parameters that control prompt pruning
+
+        prompt_keep_rate (`float`, *optional*, defaults to `1.0`):
+            Prompt pruning before rollout: the training sampler accepts each prompt with a probability from its
+            score history, their mean over the prompts seen being this value, and reweights the accepted ones so
+            that the expected step stays GRPO's (what holds, per loss type: `docs/prompt_pruning.md`). `1.0`: off.
+            Needs a map-style (not streaming) dataset, checked when the trainer is built. Refused with
+            `scale_rewards="batch"` or `multi_objective_aggregation="normalize_then_sum"`: a batch-level reward
+            statistic over the accepted prompts is not GRPO's (`docs/estimator.md`, section 2b).
+        prompt_keep_floor (`float`, *optional*, defaults to `0.1`):
+            Smallest acceptance probability of a prompt: it caps the prompt weight at `1 / prompt_keep_floor`.
+        prompt_history_decay (`float`, *optional*, defaults to `0.5`):
+            Weight of the old value in a prompt's moving averages, of its groups' mean `|A|` (its score) and of
+            their completion lengths (`docs/prompt_pruning.md`, "History"); `0` keeps only the latest group's.
+
+        > Parameters that control packing
+
+        packing (`bool`, *optional*, defaults to `True`):
+            Dense Prompt Packing of the training passes (`docs/packing.md`): the kept rows go to the
+            `steps_per_generation` micro-batches balanced by tokens, each run padding-free; also with completion
+            pruning off. `False`: TRL's padded micro-batches.
+        max_packed_tokens (`int`, *optional*):
+            Token budget of one packed row. `None`: a budget by attention implementation. What a longer sequence
+            gets, and why no forward call is larger than TRL's whatever the budget: `docs/packing.md`, "The plan",
+            items 2 and 4.
     """
 
     completion_keep_rate: float = field(
         default=_DEFAULT_KEEP_RATE,
         metadata={
-            "help": "Target fraction of the generation batch's completions that enter the log-prob and loss "
-            "passes, in (0, 1]. The keep probabilities sum to this fraction of the rows (more when "
-            "`keep_floor` forces it). 1.0 switches completion pruning off; with `packing=False` too, the trainer "
-            "is then `GRPOTrainer` bit for bit (with packing, equal up to float rounding on rotary-position "
-            "models). Not used by `prune_sampling='zero_variance'`."
+            "help": "Target fraction of the generation batch's completions (or tokens) kept for the log-prob and "
+            "loss passes; 1.0: no completion pruning." + _SEE_REFERENCE
         },
     )
     keep_floor: float = field(
         default=_DEFAULT_KEEP_FLOOR,
         metadata={
-            "help": "Smallest keep probability of a row that can contribute to the loss, in (0, 1]. Bounds the "
-            "largest Horvitz-Thompson weight by 1 / keep_floor. Used by the unbiased designs only."
+            "help": "Smallest keep probability of a row that can contribute: it caps the Horvitz-Thompson weight "
+            "1/pi at 1/keep_floor." + _SEE_REFERENCE
         },
     )
     prune_sampling: str = field(
         default=_DEFAULT_SAMPLING,
         metadata={
-            "help": "How the kept rows are drawn (default 'stratified': the least gradient error per unit of "
-            "compute of the fixed-size unbiased designs in `make bench-variance`, where it beat 'systematic' in "
-            "every matched comparison). 'stratified': systematic sampling over rows sorted by group, sign of A "
-            "and length, so each group and sign keeps the sum of its pi rounded down or up; 'systematic': "
-            "fixed-size probability-proportional-to-size sampling over a random order; 'poisson': independent "
-            "Bernoulli(pi); 'balanced': the cube method on the budget, each group's advantages and the other "
-            "cost, so the kept count (or tokens) meets its budget and each group's reweighted advantages nearly "
-            "sum to the group's (linear in rows: about 20 ms at 512 rows, 3 s at 65,536); all four exactly "
-            "unbiased with 1/pi weights. 'topk': CPPO's biased rule, keep the largest |A| with no weights; "
-            "'zero_variance': DAPO-style biased filter, drop groups whose rewards are all equal, no weights. Any "
-            "name registered with `dppo_trl.core.pruning.register_design` is accepted.",
+            "help": "The sampling design of the kept rows: unbiased with 1/pi weights (stratified, systematic, "
+            "poisson, balanced) or a biased baseline (topk, zero_variance)." + _SEE_REFERENCE,
             "choices": list(sampling_designs()),
         },
     )
     keep_budget: str = field(
         default="rows",
         metadata={
-            "help": "What `completion_keep_rate` is a fraction of, for the unbiased designs: 'rows' (the generation "
-            "batch's completions: sum(pi) = rate x N) or 'tokens' (its prompt + completion tokens, what the "
-            "log-prob and loss passes cost: sum(pi x L) = rate x sum(L)).",
+            "help": "What completion_keep_rate is a fraction of: the batch's rows, or its tokens (what the log-prob "
+            "and loss passes cost)." + _SEE_REFERENCE,
             "choices": list(KEEP_BUDGETS),
         },
     )
     score_length_exponent: float | None = field(
         default=None,
         metadata={
-            "help": "gamma of the compute-aware keep scores |A| x L^gamma (L: the row's prompt + completion "
-            "tokens, the same L as the token budget's), a number in [-2, 2]; 0 scores |A|. None (default): by "
-            "loss_type, -0.5 for the per-sequence means ('grpo', 'sapo'), 0 for the token sums ('dapo' and the "
-            "others), the best measured by `make bench-variance` under 'grpo' and 'dapo' (the other loss types "
-            "follow the one they resemble, not measured); 0 for 'topk' (CPPO's |A|). Under a token budget the "
-            "variance-optimal keep probabilities are proportional to ||g|| / sqrt(L). Used by the unbiased "
-            "designs and 'topk'.",
+            "help": "gamma of the keep scores |A| x L^gamma (L: the row's tokens); None: by loss_type."
+            + _SEE_REFERENCE
         },
     )
     adaptive_keep_error: float | None = field(
         default=None,
         metadata={
-            "help": "When set, each generation batch's keep rate is the smallest from `completion_keep_rate` up to "
-            "1 whose estimated pruning error (logged as `dppo/pruning_error`: the Horvitz-Thompson noise relative "
-            "to the full batch's gradient, the rows' gradients taken as orthogonal with norms proportional to "
-            "their scores) is at most this value, e.g. 0.3: a batch whose signal sits in a few rows prunes down to "
-            "`completion_keep_rate`, one whose signal is spread keeps more. `completion_keep_rate` stays the "
-            "fewest kept. Still unbiased: the rate, hence pi, is a function of the batch alone, and every "
-            "unbiased design keeps each row with probability exactly pi for any such pi (the enumeration tests "
-            "of tests/test_unbiased.py). None: a fixed rate. Used by the unbiased designs.",
+            "help": "When set (e.g. 0.3), each generation batch keeps the smallest rate from completion_keep_rate up "
+            "whose estimated pruning error is at most this value; None: a fixed rate." + _SEE_REFERENCE
         },
     )
     adaptive_keep_error_source: str = field(
         default="model",
         metadata={
-            "help": "What `adaptive_keep_error` bounds: 'model' (default), the model-based `dppo/pruning_error`; "
-            "'audit', the measured relative error of the gradient audit (`audit_every > 0`): the model-based "
-            "target is divided by the median ratio of measured to model-based error over the batches audited so "
-            "far that pruned (1 before the first; a batch kept whole or without signal has no ratio), so each "
-            "batch's keep rate still depends only on earlier batches and its own scores, never on its own draw. "
-            "Used with `adaptive_keep_error`.",
+            "help": "What adaptive_keep_error bounds: the model-based error, or the gradient audit's measured one."
+            + _SEE_REFERENCE,
             "choices": list(ADAPTIVE_ERROR_SOURCES),
         },
+    )
+    prune_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of DPPO's keep and prompt-acceptance draws only; None: derived from seed."
+                  + _SEE_REFERENCE},
     )
     audit_every: int = field(
         default=0,
         metadata={
-            "help": "Online gradient audit: every this many generation batches (the same batches on every rank, "
-            "from `seed` and the training position), before the batch's first optimizer step, GRPO's gradient of "
-            "the whole batch and DPPO's of its kept rows are computed at the current parameters, both with dropout "
-            "off, and compared: `dppo/audit_cosine`, `dppo/audit_rel_error`, `dppo/audit_noise_to_signal` "
-            "(measured over model-based error), `dppo/audit_projection` and `dppo/audit_bias_t` (the bias "
-            "statistic along GRPO's gradient; `dppo/audit_bias_alarm` once |t| > 4 from 8 counted audits), "
-            "`dppo/audit_seconds`. Training is unchanged (the RNG is forked and restored). 0 (default): off. Cost, "
-            "memory and the alarm's measured false-alarm rate: docs/usage.md, \"The gradient audit\".",
+            "help": "Every this many generation batches, compare DPPO's gradient of the batch with GRPO's and log "
+            "dppo/audit_*; training is unchanged. 0: off." + _SEE_REFERENCE
         },
     )
     audit_sketch_dim: int = field(
         default=_DEFAULT_AUDIT_SKETCH_DIM,
         metadata={
-            "help": "Directions of the audit's random sketch (a CountSketch of every trainable parameter's "
-            "gradient, seeded, the same on every rank) when there are more than `audit_exact_params` trainable "
-            "parameters: norms and cosines within about sqrt(2 / k) relative; the audit keeps two k-vectors. "
-            "Used with `audit_every > 0`.",
+            "help": "Directions of the audit's gradient sketch, used above audit_exact_params trainable parameters."
+            + _SEE_REFERENCE
         },
     )
     audit_exact_params: int = field(
         default=_DEFAULT_AUDIT_EXACT_PARAMS,
         metadata={
-            "help": "Up to this many trainable parameters (default 8,388,608: e.g. LoRA r=16 on every linear layer "
-            "of SmolLM2-135M, 4.9M), the audit compares the gradients exactly (GRPO's and DPPO's sums as float64 "
-            "vectors of this size on the CPU, a third while comparing them). 0: always sketch. Used with "
-            "`audit_every > 0`.",
+            "help": "Up to this many trainable parameters the audit compares the gradients exactly; 0: always sketch."
+            + _SEE_REFERENCE
         },
     )
-    prune_seed: int | None = field(
-        default=None,
-        metadata={
-            "help": "Seed of the pruning decisions only (None: derived from `seed`). Runs with the same `seed` "
-            "and different `prune_seed` generate the same first completions and differ only in their masks. "
-            "Used by the random designs ('systematic', 'poisson', 'stratified', 'balanced') and by prompt pruning's "
-            "acceptance draws."
-        },
-    )
-
     prompt_keep_rate: float = field(
         default=1.0,
         metadata={
-            "help": "Prompt pruning before rollout, in (0, 1]: the target fraction of the prompts the training "
-            "sampler has seen that it accepts. A prompt is accepted with probability q = clip(score / tau_q, "
-            "prompt_keep_floor, 1), its score being the moving average of its groups' mean |A| (unseen prompts: "
-            "q = 1), and carries the weight mean(q) / q. Every accepted prompt trains once (those that do not fill "
-            "an epoch's last batch head the next epoch's first), except the run's final leftover of fewer than one "
-            "batch of prompts, so each data epoch's expected weighted sum of per-prompt terms is mean(q) x the "
-            "dataset's, over mean(q) x GRPO's expected steps: per step, GRPO's expected numerator, exactly (as a "
-            "ratio of expectations over the epoch). Losses normalized by rows "
-            "(grpo, sapo, luspo, dr_grpo): the expected step is GRPO's. Token-mean losses (dapo, bnpo, cispo, "
-            "vespo): they divide by a token count D fixed when the epoch is planned (prompts per batch x "
-            "num_generations x the history's mean loss tokens per completion), so the expected step is GRPO's "
-            "expected token sum over D, which is GRPO's E[N]/E[T] up to the positive factor E[T]/D (the length "
-            "history's error; GRPO's own step is a ratio estimate of E[N]/E[T]). The first epoch (nothing seen) "
-            "is GRPO's exactly. 1.0 switches prompt pruning off. Needs a map-style (not streaming) dataset."
+            "help": "Prompt pruning before rollout: the mean probability with which the training sampler accepts a "
+            "seen prompt, the accepted ones reweighted; 1.0: off." + _SEE_REFERENCE
         },
     )
     prompt_keep_floor: float = field(
         default=_DEFAULT_PROMPT_KEEP_FLOOR,
-        metadata={
-            "help": "Smallest acceptance probability of a prompt, in (0, 1]; caps the prompt weight at "
-            "1 / prompt_keep_floor. Used with prompt_keep_rate < 1 only."
-        },
+        metadata={"help": "Smallest acceptance probability of a prompt under prompt pruning." + _SEE_REFERENCE},
     )
     prompt_history_decay: float = field(
         default=_DEFAULT_PROMPT_HISTORY_DECAY,
         metadata={
-            "help": "Weight of the old value in a prompt's moving-average score, in [0, 1): 0 keeps only the "
-            "latest group's mean |A|. Used with prompt_keep_rate < 1 only."
+            "help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."
+            + _SEE_REFERENCE
         },
     )
     packing: bool = field(
         default=True,
         metadata={
-            "help": "Dense Prompt Packing of the training passes: the kept rows are split into the "
-            "`steps_per_generation` micro-batches balanced by tokens, and each micro-batch runs padding-free, "
-            "several sequences back to back in one row with position_ids restarting per sequence. Also used "
-            "when completion pruning is off. False: TRL's padded micro-batches."
+            "help": "Dense Prompt Packing of the training passes: balanced, padding-free micro-batches; False: TRL's "
+            "padded micro-batches." + _SEE_REFERENCE
         },
     )
     max_packed_tokens: int | None = field(
         default=None,
-        metadata={
-            "help": "Token budget of one packed row (with `packing`). None: with flash attention (cost per "
-            "sequence), `per_device_train_batch_size` x the padded sequence width of the generation batch (one "
-            "padded micro-batch of TRL); with sdpa or eager (cost quadratic in the packed row), the padded "
-            "sequence width. A sequence longer than the budget gets a row of its own; nothing is cut or dropped."
-        },
+        metadata={"help": "Token budget of one packed row; None: by attention implementation." + _SEE_REFERENCE},
     )
 
     def __post_init__(self):
@@ -247,63 +325,10 @@ class DPPOConfig(GRPOConfig):
         return self.completion_pruning or self.prompt_pruning or self.packing
 
     def _validate_dppo_fields(self) -> None:
-        _check_unit_interval("completion_keep_rate", self.completion_keep_rate)
-        _check_unit_interval("keep_floor", self.keep_floor)
-        get_design(self.prune_sampling)  # names the field and the registered designs when unknown
-        if self.keep_budget not in KEEP_BUDGETS:
-            raise ValueError(f"keep_budget={self.keep_budget!r} is invalid: it must be one of {list(KEEP_BUDGETS)}.")
-        gamma = self.score_length_exponent
-        if gamma is not None and (not _is_number(gamma) or not -2 <= gamma <= 2):
-            raise ValueError(f"score_length_exponent={gamma!r} is invalid: it must be None or a number in [-2, 2].")
-        error = self.adaptive_keep_error
-        if error is not None and (not _is_number(error) or not 0.0 < float(error) < math.inf):
-            raise ValueError(f"adaptive_keep_error={error!r} is invalid: it must be None or a number > 0.")
-        if self.prune_seed is not None and (
-            isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int) or self.prune_seed < 0
-        ):
-            raise ValueError(f"prune_seed={self.prune_seed!r} is invalid: it must be None or an integer >= 0.")
-        self._validate_audit_fields()
-        _check_unit_interval("prompt_keep_rate", self.prompt_keep_rate)
-        _check_unit_interval("prompt_keep_floor", self.prompt_keep_floor)
-        decay = self.prompt_history_decay
-        if not _is_number(decay) or not 0.0 <= float(decay) < 1.0:
-            raise ValueError(f"prompt_history_decay={decay!r} is invalid: it must be a number in [0, 1).")
-        if not isinstance(self.packing, bool):
-            raise ValueError(f"packing={self.packing!r} is invalid: it must be True or False.")
-        if self.max_packed_tokens is not None and (
-            isinstance(self.max_packed_tokens, bool)
-            or not isinstance(self.max_packed_tokens, int)
-            or self.max_packed_tokens < 1
-        ):
-            raise ValueError(
-                f"max_packed_tokens={self.max_packed_tokens!r} is invalid: it must be None or an integer >= 1."
-            )
-        scale = self.scale_rewards if isinstance(self.scale_rewards, str) else "group" if self.scale_rewards else "none"
-        if self.prompt_pruning and (scale == "batch" or self.multi_objective_aggregation == "normalize_then_sum"):
-            raise ValueError(
-                f"prompt_keep_rate={self.prompt_keep_rate!r} cannot be combined with scale_rewards={scale!r} "
-                f"and multi_objective_aggregation={self.multi_objective_aggregation!r}: a batch-level reward statistic "
-                "over the accepted prompts is not GRPO's over the batch it would have drawn. Use scale_rewards='group' "
-                "or 'none' with multi_objective_aggregation='sum_then_normalize', or prompt_keep_rate=1.0."
-            )
-        if self.loss_type not in SUPPORTED_LOSS_TYPES:  # GRPOConfig accepts a typo and fails at the first loss
-            raise ValueError(
-                f"loss_type={self.loss_type!r} is invalid: it must be one of {list(SUPPORTED_LOSS_TYPES)}."
-            )
-        unused = self._unused_settings()
-        if unused:
-            logger.warning("DPPOConfig: " + "; ".join(unused) + ".")
-
-    def _validate_audit_fields(self) -> None:
-        for name, low in (("audit_every", 0), ("audit_sketch_dim", 1), ("audit_exact_params", 0)):
+        for name, allowed in ALLOWED_VALUES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {low}.")
-        if self.adaptive_keep_error_source not in ADAPTIVE_ERROR_SOURCES:
-            raise ValueError(
-                f"adaptive_keep_error_source={self.adaptive_keep_error_source!r} is invalid: it must be one of "
-                f"{list(ADAPTIVE_ERROR_SOURCES)}."
-            )
+            if not allowed.accepts(value):
+                raise ValueError(f"{name}={value!r} is invalid: it must be {allowed_values(name)}.")
         if self.audit_every and self.prompt_pruning:
             raise ValueError(
                 f"audit_every={self.audit_every!r} cannot be combined with prompt_keep_rate={self.prompt_keep_rate!r} "
@@ -315,73 +340,152 @@ class DPPOConfig(GRPOConfig):
                 f"audit_every={self.audit_every!r} is not supported with DeepSpeed or FSDP yet (the audit takes "
                 "gradients of the unsharded parameters); set audit_every=0."
             )
-
-    def _unused_audit_settings(self) -> list[str]:
-        unused = []
-        if not self.audit_every:
-            for name, default in (("audit_sketch_dim", _DEFAULT_AUDIT_SKETCH_DIM),
-                                  ("audit_exact_params", _DEFAULT_AUDIT_EXACT_PARAMS)):  # fmt: skip
-                if getattr(self, name) != default:
-                    unused.append(f"{name}={getattr(self, name)!r} is not used while audit_every=0")
-        elif not self.dppo_training_path:
-            unused.append(f"audit_every={self.audit_every!r} is not used: nothing is pruned or packed (GRPO's path)")
-        elif not self.completion_pruning:
-            unused.append(
-                f"audit_every={self.audit_every!r} with completion_keep_rate=1.0: nothing is pruned, the audit "
-                "measures only the float rounding of DPPO's passes"
+        scale = self.scale_rewards if isinstance(self.scale_rewards, str) else "group" if self.scale_rewards else "none"
+        if self.prompt_pruning and (scale == "batch" or self.multi_objective_aggregation == "normalize_then_sum"):
+            raise ValueError(
+                f"prompt_keep_rate={self.prompt_keep_rate!r} cannot be combined with scale_rewards={scale!r} "
+                f"and multi_objective_aggregation={self.multi_objective_aggregation!r}: a batch-level reward statistic "
+                "over the accepted prompts is not GRPO's over the batch it would have drawn. Use scale_rewards='group' "
+                "or 'none' with multi_objective_aggregation='sum_then_normalize', or prompt_keep_rate=1.0."
             )
-        if self.adaptive_keep_error_source != "model":
-            if self.adaptive_keep_error is None:
-                unused.append(
-                    f"adaptive_keep_error_source={self.adaptive_keep_error_source!r} is not used while "
-                    "adaptive_keep_error=None"
-                )
-            elif not self.audit_every:
-                unused.append(
-                    "adaptive_keep_error_source='audit' has no audit to learn from while audit_every=0: the "
-                    "model-based error is used"
-                )
-        return unused
+        unused = self._unused_settings()
+        if unused:
+            logger.warning("DPPOConfig: " + "; ".join(unused) + ".")
 
     def _unused_settings(self) -> list[str]:
-        """Valid settings that the current configuration does not use (a warning, not an error: sweeps and one-flag
-        baselines override one field over a recipe that sets others), and a floor that raises the kept fraction."""
-        unused = self._unused_audit_settings()
-        if not self.prompt_pruning:
-            for name, default in (("prompt_keep_floor", _DEFAULT_PROMPT_KEEP_FLOOR),
-                                  ("prompt_history_decay", _DEFAULT_PROMPT_HISTORY_DECAY)):  # fmt: skip
-                if getattr(self, name) != default:
-                    unused.append(f"{name}={getattr(self, name)!r} is not used while prompt_keep_rate=1.0")
-        if self.max_packed_tokens is not None and not self.packing:
-            unused.append(f"max_packed_tokens={self.max_packed_tokens!r} is not used with packing=False")
-        deterministic = not self.completion_pruning or self.prune_sampling not in unbiased_designs()
-        why = "completion_keep_rate=1.0" if not self.completion_pruning else f"prune_sampling={self.prune_sampling!r}"
-        if not self.completion_pruning and self.prune_sampling != _DEFAULT_SAMPLING:
-            unused.append(f"prune_sampling={self.prune_sampling!r} is not used while completion_keep_rate=1.0")
-        if deterministic and self.keep_floor != _DEFAULT_KEEP_FLOOR:
-            unused.append(f"keep_floor={self.keep_floor!r} is not used with {why}")
-        if deterministic and self.keep_budget != "rows":
-            unused.append(f"keep_budget={self.keep_budget!r} is not used with {why}")
-        if self.score_length_exponent is not None and (
-            not self.completion_pruning or self.prune_sampling == "zero_variance"
-        ):
-            unused.append(f"score_length_exponent={self.score_length_exponent!r} is not used with {why}")
-        if deterministic and self.adaptive_keep_error is not None:
-            unused.append(f"adaptive_keep_error={self.adaptive_keep_error!r} is not used with {why}")
-        if deterministic and self.prune_seed is not None and not self.prompt_pruning:
-            unused.append(f"prune_seed={self.prune_seed!r} is not used with {why} and prompt_keep_rate=1.0")
-        if self.prune_sampling == "zero_variance" and self.completion_keep_rate not in (_DEFAULT_KEEP_RATE, 1.0):
-            unused.append(
-                f"completion_keep_rate={self.completion_keep_rate!r} is not used by prune_sampling='zero_variance' "
-                "(it drops exactly the groups whose rewards are all equal)"
-            )
-        if self.completion_pruning and not deterministic and self.keep_floor > self.completion_keep_rate:
-            unused.append(
-                f"keep_floor={self.keep_floor!r} is above completion_keep_rate={self.completion_keep_rate!r}: every "
-                "row that can contribute is kept with probability at least keep_floor, so more than "
-                "completion_keep_rate is kept (weights up to 1 / keep_floor)"
-            )
-        return unused
+        """The warnings of ``UNUSED_SETTING_RULES`` that apply, in the table's order."""
+        context = _WarningContext(self)
+        defaults = {f.name: f.default for f in dataclasses.fields(DPPOConfig)}
+        return [
+            f"{rule.field}={getattr(self, rule.field)!r} {rule.says.format_map(context)}"
+            for rule in UNUSED_SETTING_RULES
+            if (rule.any_value or getattr(self, rule.field) != defaults[rule.field]) and rule.when(self)
+        ]
+
+
+# The conditions of UNUSED_SETTING_RULES; each docstring is docs/config.md's "warns when" for its rules.
+def _no_keep_draw(c: DPPOConfig) -> bool:
+    """no completion is drawn at random: `completion_keep_rate=1.0`, or a biased `prune_sampling` (`"topk"`,
+    `"zero_variance"`)"""
+    return not c.completion_pruning or c.prune_sampling not in unbiased_designs()
+
+
+def _no_keep_scores(c: DPPOConfig) -> bool:
+    """no keep scores are used: `completion_keep_rate=1.0` or `prune_sampling="zero_variance"`"""
+    return not c.completion_pruning or c.prune_sampling == "zero_variance"
+
+
+def _no_draw_at_all(c: DPPOConfig) -> bool:
+    """nothing is drawn at random: no completion draw (as for `keep_floor`) and `prompt_keep_rate=1.0`"""
+    return _no_keep_draw(c) and not c.prompt_pruning
+
+
+def _no_completion_pruning(c: DPPOConfig) -> bool:
+    """`completion_keep_rate=1.0`"""
+    return not c.completion_pruning
+
+
+def _zero_variance_with_a_rate(c: DPPOConfig) -> bool:
+    """`prune_sampling="zero_variance"` (which drops exactly the groups whose rewards are all equal) and a rate
+    other than `1.0`"""
+    return c.prune_sampling == "zero_variance" and c.completion_keep_rate != 1.0
+
+
+def _floor_above_rate(c: DPPOConfig) -> bool:
+    """an unbiased design with `keep_floor` above `completion_keep_rate`, so more than the rate is kept"""
+    return not _no_keep_draw(c) and c.keep_floor > c.completion_keep_rate
+
+
+def _no_adaptive_error(c: DPPOConfig) -> bool:
+    """`adaptive_keep_error=None`"""
+    return c.adaptive_keep_error is None
+
+
+def _adaptive_error_without_audit(c: DPPOConfig) -> bool:
+    """`adaptive_keep_error` is set and `audit_every=0`: the model-based error is used"""
+    return c.adaptive_keep_error is not None and not c.audit_every
+
+
+def _audit_off(c: DPPOConfig) -> bool:
+    """`audit_every=0`"""
+    return not c.audit_every
+
+
+def _grpo_path(c: DPPOConfig) -> bool:
+    """nothing is pruned or packed: GRPO's own path, on which the audit does not run"""
+    return not c.dppo_training_path
+
+
+def _packed_not_pruned(c: DPPOConfig) -> bool:
+    """packing on and nothing pruned: the audit measures only float rounding"""
+    return c.dppo_training_path and not c.completion_pruning
+
+
+def _no_prompt_pruning(c: DPPOConfig) -> bool:
+    """`prompt_keep_rate=1.0`"""
+    return not c.prompt_pruning
+
+
+def _no_packing(c: DPPOConfig) -> bool:
+    """`packing=False`"""
+    return not c.packing
+
+
+class UnusedSetting(NamedTuple):
+    """``field`` warns while ``when(config)`` holds and the field is off its default (at any value with
+    ``any_value``); the warning is ``field=value`` then ``says``, a ``str.format`` template of the config's fields
+    and ``{why}`` (why no completion is drawn at random)."""
+
+    field: str
+    when: Callable[[DPPOConfig], bool]
+    says: str
+    any_value: bool = False
+
+
+_ZERO_VARIANCE_RATE = (
+    "is not used by prune_sampling='zero_variance' (it drops exactly the groups whose rewards are all equal)"
+)
+_FLOOR_ABOVE_RATE = (
+    "is above completion_keep_rate={completion_keep_rate!r}: every row that can contribute is kept with probability at "
+    "least keep_floor, so more than completion_keep_rate is kept (weights up to 1 / keep_floor)"
+)
+_AUDIT_WITHOUT_PRUNING = (
+    "with completion_keep_rate=1.0: nothing is pruned, the audit measures only the float rounding of DPPO's passes"
+)
+_SOURCE_WITHOUT_AUDIT = "has no audit to learn from while audit_every=0: the model-based error is used"
+
+# Read in this order by DPPOConfig._unused_settings: one warning lists every rule that applies.
+UNUSED_SETTING_RULES = (
+    UnusedSetting("prune_sampling", _no_completion_pruning, "is not used while completion_keep_rate=1.0"),
+    UnusedSetting("keep_floor", _no_keep_draw, "is not used with {why}"),
+    UnusedSetting("keep_budget", _no_keep_draw, "is not used with {why}"),
+    UnusedSetting("score_length_exponent", _no_keep_scores, "is not used with {why}"),
+    UnusedSetting("adaptive_keep_error", _no_keep_draw, "is not used with {why}"),
+    UnusedSetting("prune_seed", _no_draw_at_all, "is not used with {why} and prompt_keep_rate=1.0"),
+    UnusedSetting("completion_keep_rate", _zero_variance_with_a_rate, _ZERO_VARIANCE_RATE),
+    UnusedSetting("keep_floor", _floor_above_rate, _FLOOR_ABOVE_RATE, any_value=True),
+    UnusedSetting("adaptive_keep_error_source", _no_adaptive_error, "is not used while adaptive_keep_error=None"),
+    UnusedSetting("adaptive_keep_error_source", _adaptive_error_without_audit, _SOURCE_WITHOUT_AUDIT),
+    UnusedSetting("audit_every", _grpo_path, "is not used: nothing is pruned or packed (GRPO's path)"),
+    UnusedSetting("audit_every", _packed_not_pruned, _AUDIT_WITHOUT_PRUNING),
+    UnusedSetting("audit_sketch_dim", _audit_off, "is not used while audit_every=0"),
+    UnusedSetting("audit_exact_params", _audit_off, "is not used while audit_every=0"),
+    UnusedSetting("prompt_keep_floor", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
+    UnusedSetting("prompt_history_decay", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
+    UnusedSetting("max_packed_tokens", _no_packing, "is not used with packing=False"),
+)
+
+
+class _WarningContext(dict):
+    """The names of an ``UnusedSetting.says`` template: ``why`` and the config's fields."""
+
+    def __init__(self, config: DPPOConfig):
+        pruning = config.completion_pruning
+        super().__init__(why=f"prune_sampling={config.prune_sampling!r}" if pruning else "completion_keep_rate=1.0")
+        self.config = config
+
+    def __missing__(self, name: str):
+        return getattr(self.config, name)
 
 
 def as_dppo_config(args: GRPOConfig) -> DPPOConfig:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 from transformers import TrainerCallback
 
+from ..config import is_real_number
+
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_real_number(value, finite=True)
 
 
 def _number(value) -> str:
