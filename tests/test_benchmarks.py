@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 import bench_train  # noqa: E402
@@ -12,7 +14,7 @@ import bench_train  # noqa: E402
 def test_bench_train_runs_and_writes_its_table(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rows = bench_train.main(["--rounds", "1", "--warmup", "0", "--hidden-size", "32", "--layers", "1",
-                             "--json", str(out)])  # fmt: skip
+                             "--json", str(out)])
     assert [r["variant"] for r in rows] == ["grpo", "dppo", "dppo+packing"]
     assert json.loads(out.read_text())["results"][0]["time_ratio_to_grpo"] == 1.0
     packed, grpo = rows[2], rows[0]
@@ -36,6 +38,7 @@ def test_time_to_target_reads_the_first_crossing_of_the_trailing_mean():
     assert bench_e2e.reward_curve(run, window=2, last_step=4) == ((20.0, 40.0), (0.2, 0.30000000000000004))
 
 
+@pytest.mark.slow
 def test_bench_e2e_runs_every_method_and_sweep_and_plots(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     tables = bench_e2e.main(
@@ -70,7 +73,7 @@ def test_bench_e2e_runs_every_method_and_sweep_and_plots(tmp_path, capsys):
             str(tmp_path / "plots"),
             "--json",
             str(out),
-        ]  # fmt: skip
+        ]
     )
     assert set(tables) == {"methods", "completion_keep_rate", "prompt_keep_rate"}
     rows = {r["method"]: r for r in tables["methods"]}
@@ -93,23 +96,25 @@ def test_bench_e2e_runs_every_method_and_sweep_and_plots(tmp_path, capsys):
     grpo_run = [r for r in runs if r["method"] == "grpo"][0]
     assert {g["completions"] for g in pruned["generations"]} == {grpo_run["generations"][0]["completions"]}
     assert [r["method"] for r in tables["completion_keep_rate"]] == ["grpo", "keep=1.0", "keep=0.75", "keep=0.5",
-                                                                      "keep=0.25"]  # fmt: skip
+                                                                      "keep=0.25"]
     assert len(data["plots"]) == 6 and all(Path(p).stat().st_size > 10_000 for p in data["plots"])
     assert "to target" in capsys.readouterr().out
     replotted = bench_e2e.main(["--from-json", str(out), "--plots", str(tmp_path / "again")])
     assert replotted == data["tables"] and len(list((tmp_path / "again").glob("*.png"))) == 6
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
     import os
     import subprocess
 
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="",
-               CHECK_OUT=str(tmp_path / "check.json"), REASONING_OUT=str(tmp_path / "reasoning.json"))  # fmt: skip
+               CHECK_OUT=str(tmp_path / "check.json"), REASONING_OUT=str(tmp_path / "reasoning.json"))
     script = Path(__file__).parent.parent / "benchmarks" / "gpu.sh"
     result = subprocess.run(["bash", str(script), "--steps", "4", "--cache", str(tmp_path / "cache")], env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     grpo, dppo = data["results"]
@@ -128,7 +133,7 @@ def test_bench_balance_reports_the_imbalance_before_and_after(tmp_path):
     import bench_balance
 
     rows = bench_balance.main(["--worlds", "2", "4", "--keep-rates", "0.5", "--batches", "20",
-                               "--json", str(tmp_path / "b.json")])  # fmt: skip
+                               "--json", str(tmp_path / "b.json")])
     assert [r["world"] for r in rows] == [2, 4]
     for r in rows:
         assert r["imbalance_after_median"] <= r["imbalance_before_median"]
@@ -146,13 +151,14 @@ def test_bench_reasoning_time_to_target_is_the_first_evaluation_at_grpo_final_ac
     assert bench_reasoning.first_reaching(walls, smooth, 0.6) is None
 
 
+@pytest.mark.slow
 def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys):
     out = tmp_path / "reasoning.json"
     rows = bench_reasoning.main(["--seeds", "0", "--epochs", "2", "--train-prompts", "16", "--heldout", "4",
                                  "--eval-every", "0.5", "--sft-steps", "20", "--hidden-size", "32", "--layers", "1",
                                  "--batch-size", "16",
                                  "--warmup", "0", "--model-cache", str(tmp_path / "model"), "--json", str(out),
-                                 "--plots", str(tmp_path / "plots")])  # fmt: skip
+                                 "--plots", str(tmp_path / "plots")])
     by = {r["method"]: r for r in rows}
     assert list(by) == list(bench_reasoning.METHODS)
     grpo = by["grpo"]
@@ -181,11 +187,13 @@ def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys
 import bench_real  # noqa: E402
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
 def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_path, capsys):
     out = tmp_path / "real.json"
     argv = ["--seeds", "0", "--steps", "3", "--methods", "grpo", "dppo+prompt", "--warmup", "0", "--heldout", "4",
             "--train-prompts", "2", "--prompts-per-step", "1", "--max-completion-length", "4", "--eval-every", "2",
-            "--window", "2", "--json", str(out)]  # fmt: skip
+            "--window", "2", "--json", str(out)]
     rows = bench_real.main(argv)
     saved = json.loads(out.read_text())
     assert [r["method"] for r in saved["results"]] == ["grpo", "dppo+prompt"]
@@ -195,17 +203,21 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
     assert pruned["kept_fraction"] <= 1.0 and "time_to_target_ratio" in pruned
     assert {"rise", "rise_se", "heldout_rise", "heldout_rise_se"} <= set(saved["grpo_rise"])
     assert "GRPO's curve:" in capsys.readouterr().out
-    again = bench_real.main([*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")])
+    again = bench_real.main(
+        [*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")]
+    )
     assert [r["time_to_target_ratio"] for r in again] == [r["time_to_target_ratio"] for r in rows]
 
 
 import bench_audit  # noqa: E402
 
 
+@pytest.mark.slow
+@pytest.mark.real_model  # bench_audit trains SmolLM2-135M-Instruct
 def test_bench_audit_reports_each_designs_audit_readings(tmp_path, capsys):
     out = tmp_path / "audit.json"
     rows = bench_audit.main(["--steps", "2", "--runs", "stratified@0.25", "topk@0.25", "--prompts-per-step", "1",
-                             "--max-completion-length", "4", "--json", str(out)])  # fmt: skip
+                             "--max-completion-length", "4", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert [r["design"] for r in saved["rows"]] == ["stratified", "topk"] == [r["design"] for r in rows]
     for row, run in zip(saved["rows"], saved["runs"]):

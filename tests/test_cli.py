@@ -3,21 +3,20 @@ path), unknown keys and bad values stop it before anything is loaded with a `dpp
 flags override YAML, launch options are recognised and listed in the help, a LoRA run trains and saves its
 adapter, and --num_processes N > 1 starts N processes on the CPU (or is refused where accelerate would start one)."""
 
-import contextlib
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_config import DPPO_FIELDS
+from support.configs import DPPO_FIELDS
+from support.models import addition_prompts
+from support.processes import kill_process_tree
 
 from dppo_trl.cli import bundled_recipes, main, make_parser, parse
 from dppo_trl.config import DPPOConfig
-from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
 REPO = Path(__file__).parent.parent
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -179,17 +178,18 @@ def test_help_lists_the_dppo_options_config_and_launch_options():
     assert "--zero_stage" in launch and "--gradient_accumulation_steps" not in launch  # that one is training's
 
 
+@pytest.mark.subprocess
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "dppo_trl", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--completion_keep_rate" in out.stdout
     assert "--config YAML_OR_RECIPE" in out.stdout and "--num_processes" in out.stdout
 
 
-def tiny_run_config(tmp_path, model_dir, extra: str, reward: str = "tests.conftest.random_reward") -> str:
+def tiny_run_config(tmp_path, model_dir, extra: str, reward: str = "tests.support.rewards.random_reward") -> str:
     """A YAML for a few CPU steps on the offline tiny model, with a local JSON dataset."""
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
-    addition_dataset(addition_pairs()[0][:32]).to_json(str(data / "train.jsonl"))
+    addition_prompts(32).to_json(str(data / "train.jsonl"))
     return write_yaml(
         tmp_path / "run.yaml",
         f"""
@@ -230,6 +230,7 @@ learning_rate: 1.0e-3
     assert not (out / "model.safetensors").exists()
 
 
+@pytest.mark.subprocess
 def test_launch_options_start_the_run_under_accelerate(tmp_path, tiny_model_dir, monkeypatch):
     config = tiny_run_config(tmp_path, tiny_model_dir, "num_processes: 1\nmax_steps: 1\n")
     monkeypatch.delenv("DPPO_TRL_LAUNCHED", raising=False)
@@ -242,23 +243,18 @@ def test_launch_options_start_the_run_under_accelerate(tmp_path, tiny_model_dir,
 def run_cli_with_timeout(argv, env, log, timeout):
     """``python -m dppo_trl ARGV`` in a session of its own, its output to ``log``; past ``timeout`` seconds (a hang)
     it and every process it started (torch.distributed.run's workers have sessions of their own) are killed."""
-    import psutil  # an accelerate dependency
-
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "dppo_trl", *argv], cwd=REPO, env={**os.environ, **env},
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for child in psutil.Process(process.pid).children(recursive=True):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(child.pid, signal.SIGKILL)
-            process.kill()
+            kill_process_tree(process.pid)
             process.wait()
             pytest.fail(f"no result after {timeout} s (a hang?):\n{log.read_text()[-3000:]}")
 
 
+@pytest.mark.subprocess
 def test_num_processes_on_the_cpu_starts_that_many_processes(tmp_path, tiny_model_dir):
     """`accelerate launch --num_processes 2` on the CPU starts ONE process (its CPU launcher leaves several to
     mpirun); dppo-trl starts two (torch.distributed.run, gloo): each trainer sees a group of two, and both
@@ -321,4 +317,4 @@ def test_a_model_folder_under_home_is_expanded_and_a_missing_smollm2_says_how_to
     assert error.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"dppo-trl: {tmp_path}/.cache/dppo_trl/SmolLM2-135M-Instruct does not exist: run "
-                          "`dppo-trl-smollm2`")  # fmt: skip
+                          "`dppo-trl-smollm2`")

@@ -3,34 +3,11 @@
 import dataclasses
 
 import pytest
+from support.configs import DPPO_FIELDS, VALIDATION
+from support.configs import validation_config as make
 from trl import GRPOConfig
 
 from dppo_trl import DPPOConfig
-
-BASE = dict(output_dir="unused", bf16=False, use_cpu=True, report_to=[])
-
-DPPO_FIELDS = {
-    "completion_keep_rate",
-    "keep_floor",
-    "prune_sampling",
-    "prune_seed",
-    "keep_budget",
-    "score_length_exponent",
-    "adaptive_keep_error",
-    "adaptive_keep_error_source",
-    "audit_every",
-    "audit_sketch_dim",
-    "audit_exact_params",
-    "packing",
-    "max_packed_tokens",
-    "prompt_keep_rate",
-    "prompt_keep_floor",
-    "prompt_history_decay",
-}
-
-
-def make(**kwargs):
-    return DPPOConfig(**{**BASE, **kwargs})
 
 
 def test_fields_are_documented_and_subclass_grpo():
@@ -200,9 +177,9 @@ def test_valid_settings_that_the_configuration_does_not_use_warn_once(kwargs, fi
 def test_a_configuration_that_uses_every_setting_does_not_warn(caplog):
     with caplog.at_level("WARNING", logger="dppo_trl.config"):
         make(completion_keep_rate=0.3, keep_floor=0.1, prune_seed=2, prompt_keep_rate=0.5, prompt_keep_floor=0.2,
-             max_packed_tokens=64)  # fmt: skip
+             max_packed_tokens=64)
         make(audit_every=10, audit_sketch_dim=256, audit_exact_params=0, adaptive_keep_error=0.3,
-             adaptive_keep_error_source="audit")  # fmt: skip
+             adaptive_keep_error_source="audit")
     assert not [r for r in caplog.records if r.name == "dppo_trl.config"]
 
 
@@ -223,9 +200,9 @@ def test_trainer_rejects_bad_setups_before_loading_any_model(tmp_path):
 
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(TypeError, match="GRPOConfig"):
-        DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=dict(BASE))
+        DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=dict(VALIDATION))
     rows = Dataset.from_dict({"prompt": ["1+1="] * 8})
     streaming = IterableDataset.from_generator(lambda: iter(rows))
     with pytest.raises(ValueError, match="prompt_keep_rate"):
         DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=make(prompt_keep_rate=0.5),
-                    train_dataset=streaming)  # fmt: skip
+                    train_dataset=streaming)

@@ -100,6 +100,7 @@ def test_a_large_seeded_draw_meets_the_budget_and_each_groups_advantage_sum_with
     assert float((gap[live].abs() / one_row[live]).mean()) < 0.2
 
 
+@pytest.mark.slow
 def test_inclusion_frequencies_match_pi_over_a_few_hundred_rows():
     """256 rows (16 groups of 16), 300 seeded draws: per-row kept counts against Binomial(300, pi) (the sum of
     squared standardized residuals below the 99.9% chi-square quantile), and every draw keeps floor/ceil of

@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.processes import run_two_processes
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="deepspeed is not installed (pip install '.[deepspeed]' in a checkout; see docs/multi_gpu.md, DeepSpeed)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed is not installed (pip install '.[deepspeed]' in a checkout; docs/multi_gpu.md, DeepSpeed)",
+    ),
+    pytest.mark.subprocess,  # torchrun
+]
 
 WORKER = Path(__file__).parent / "deepspeed_worker.py"
 RUNS = ("ddp", "ddp-empty", "zero2", "zero3", "zero3-empty")  # DDP first: see deepspeed_worker.py
@@ -25,8 +29,6 @@ RUNS = ("ddp", "ddp-empty", "zero2", "zero3", "zero3-empty")  # DDP first: see d
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     """Every run of RUNS in one torchrun of two CPU processes: per run, both ranks' records and parameters."""
-    from test_multiprocess import run_two_processes
-
     out_dir = tmp_path_factory.mktemp("deepspeed")
     # DeepSpeed on its CPU accelerator (it would pick CUDA where a GPU is visible), gloo as the backend.
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

@@ -5,17 +5,22 @@ import math
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
-from test_trainer import RecordingTrainer, constant_reward
-from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
+from support.configs import N_ROWS
+from support.oracle import dppo_loss_and_grad, make_trainer, synthetic_batch
+from support.recording import RecordingTrainer
+from support.rewards import constant_reward, random_reward
+from support.training import train
 
 from dppo_trl.core.estimator import horvitz_thompson_weights
 from dppo_trl.core.pruning import keep_probabilities
 
 
 def test_every_completion_truncated_and_masked_still_steps(tmp_path, tiny_model_dir, train_dataset):
-    args = cpu_config(
+    trainer = train(
+        RecordingTrainer,
         tmp_path,
+        tiny_model_dir,
+        train_dataset,
         max_steps=2,
         max_completion_length=1,
         mask_truncated_completions=True,
@@ -23,8 +28,6 @@ def test_every_completion_truncated_and_masked_still_steps(tmp_path, tiny_model_
         steps_per_generation=2,
         gradient_accumulation_steps=2,
     )
-    trainer = RecordingTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
-    trainer.train()
     assert all(r["completion_mask"].sum() == 0 for r in trainer.records)  # nothing left to learn from
     assert all(not r["dppo_keep"].any() for r in trainer.records)  # so nothing is kept, even with beta > 0
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -89,16 +92,14 @@ SCENARIOS = {
              completion_keep_rate=1 / 32), random_reward, RecordingTrainer,
         lambda t, logs: all(int(r["dppo_keep"].sum()) == 1 for r in t.records),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_degenerate_batches_train_finitely_and_say_what_happened(tmp_path, tiny_model_dir, train_dataset, name):
     overrides, reward, trainer_cls, check = SCENARIOS[name]
     base = dict(max_steps=3, steps_per_generation=2, gradient_accumulation_steps=2)
-    args = cpu_config(tmp_path, **{**base, **overrides})
-    trainer = trainer_cls(tiny_model_dir, reward, args=args, train_dataset=train_dataset)
-    trainer.train()
+    trainer = train(trainer_cls, tmp_path, tiny_model_dir, train_dataset, reward=reward, **{**base, **overrides})
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in logs)

@@ -13,22 +13,17 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
-from test_vllm_path import SimulatedVLLM
+from support.configs import LOSS_TYPES, cpu_config
+from support.marks import slow_unless
+from support.models import lora_config
+from support.rewards import random_reward
+from support.sampler import SimulatedVLLM
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
-from dppo_trl.tasks.toy import addition_pairs, build_tiny_model, build_tokenizer, save_tiny_model
+from dppo_trl.tasks.toy import addition_pairs, build_tiny_model, build_tokenizer
 
 # ---------------------------------------------------------------------------------------------- tiny offline models
-
-
-@pytest.fixture(scope="session")
-def moe_model_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE (4 experts, top-2) with the router settings of the released configs: the
-    ``output_router_logits`` field present (False) and ``router_aux_loss_coef=0.001``, so TRL turns its
-    load-balancing loss on."""
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-moe"), hidden_size=32, num_layers=2, moe=True)
 
 
 @pytest.fixture(scope="session")
@@ -156,16 +151,6 @@ def logged(key, above=None):
     return check
 
 
-def simulate_vllm(trainer):
-    trainer.use_vllm = True
-
-
-def lora_config():
-    from peft import LoraConfig
-
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-
-
 # ----------------------------------------------------------------------------------------------------- the table
 
 
@@ -175,9 +160,8 @@ class Case:
     model directory; ``dataset``: 'plain' (the addition prompts), 'iterable' (the same, streamed), 'chat'
     (conversational), None (no train_dataset); ``reward``: the ``reward_funcs`` (None: not passed); ``kwargs``:
     builds the other trainer keywords (fresh for each trainer); ``mixin``: a class put before the trainer class;
-    ``after_init``: called on the trainer before training; ``check``: given the log history, says what was not
-    exercised ('' if all was); ``dppo_args``: the config class handed to DPPOTrainer (DPPO's own fields always at
-    their defaults)."""
+    ``check``: given the log history, says what was not exercised ('' if all was); ``dppo_args``: the config class
+    handed to DPPOTrainer (DPPO's own fields always at their defaults)."""
 
     config: dict = dataclasses.field(default_factory=dict)
     model: str = "tiny_model_dir"
@@ -185,12 +169,10 @@ class Case:
     reward: Any = random_reward
     kwargs: Callable[[dict], dict] | None = None
     mixin: type | None = None
-    after_init: Callable | None = None
     check: Callable[[list], str] | None = None
     dppo_args: type = DPPOConfig
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
 LOSS_TYPE_NEEDS = {"luspo": dict(importance_sampling_level="sequence")}  # the paper's setting (TRL warns otherwise)
 TOOLS = dict(max_completion_length=160)  # a tool call (62 tokens), its result (about 50) and a reply
 
@@ -199,7 +181,7 @@ CALLS_TOOLS = logged("tools/call_frequency", above=0.0)
 
 CASES = {
     **{f"loss_type_{lt}": Case(config=dict(loss_type=lt, **LOSS_TYPE_NEEDS.get(lt, {}))) for lt in LOSS_TYPES},
-    "moe": Case(model="moe_model_dir", check=logged("aux_loss")),
+    "moe": Case(model="tiny_moe_dir", check=logged("aux_loss")),
     "lora": Case(kwargs=lambda data: dict(peft_config=lora_config())),
     "gspo_sequence_level": Case(config=dict(loss_type="grpo", importance_sampling_level="sequence")),
     "beta_positive": Case(config=dict(beta=0.05), check=logged("kl")),
@@ -233,7 +215,7 @@ CASES = {
         dataset="chat", reward=chat_reward, kwargs=lambda data: dict(tools=[add_one])
     ),
     "vllm_is_simulated": Case(
-        mixin=SimulatedVLLM, after_init=simulate_vllm, check=logged("sampling/importance_sampling_ratio/mean")
+        mixin=SimulatedVLLM, check=logged("sampling/importance_sampling_ratio/mean")
     ),
     "eval_dataset": Case(
         config=dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8),
@@ -281,8 +263,6 @@ def run_case(case: Case, trainer_cls, config_cls, workdir, model_dir, data) -> O
         if case.reward is not None:  # omitted, not None, as a user with environment-owned rewards writes it
             kwargs["reward_funcs"] = case.reward
         trainer = cls(model_dir, args=args, train_dataset=data.get(case.dataset), **kwargs)
-        if case.after_init:
-            case.after_init(trainer)
     except Exception as error:  # noqa: BLE001 - the outcome is what is compared
         return Outcome("raised", type(error), f"at construction: {str(error)[:300]}")
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -312,7 +292,10 @@ def run_case(case: Case, trainer_cls, config_cls, workdir, model_dir, data) -> O
     return Outcome("trained", None, f"losses {[round(x, 4) for x in losses]}, {len(before)} parameters changed{kept}")
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+SLOW_CASES = {"tools", "environment_reward", "environment_owns_data"}  # about 5 s each: `make test` only
+
+
+@pytest.mark.parametrize("case_id", [slow_unless(case_id not in SLOW_CASES, case_id) for case_id in CASES])
 def test_dppo_at_its_defaults_has_grpos_outcome(case_id, request, tmp_path, train_dataset, chat_dataset):
     case = CASES[case_id]
     model_dir = request.getfixturevalue(case.model)

@@ -57,7 +57,7 @@ def test_a_drifted_number_fails_the_check_and_write_restores_it(tmp_path, result
 def test_the_balance_table_from_a_small_dict():
     data = {"results": [dict(world=2, keep_rate=0.5, imbalance_before_median=1.12345, imbalance_before_p95=1.5,
                              imbalance_after_median=1.0, imbalance_after_p95=1.0994, within_10_percent_after=0.995,
-                             rows_moved_fraction=0.02351)]}  # fmt: skip
+                             rows_moved_fraction=0.02351)]}
     assert render_docs.balance_table(data) == (
         "| ranks | keep | before: median | before: p95 | after: median | after: p95 | batches within 10% after"
         " | rows moved |\n"
@@ -72,12 +72,13 @@ def test_the_real_model_table_from_a_small_dict():
                training_phase_ratio_se=0.02, ideal_training_ratio_mean=0.25, ideal_training_ratio_se=0.0,
                final_reward_mean=0.41, final_reward_se=0.03, final_reward_diff_mean=-0.02, final_reward_diff_se=0.01,
                heldout_start_mean=0.2, heldout_final_mean=0.35,
-               heldout_final_se=0.05)  # fmt: skip
+               heldout_final_se=0.05)
     never = dict(row, method="topk", reached_target="0/2", time_to_target_ratio_mean=None)
     once = dict(row, method="once", reached_target="1/2", time_to_target_ratio_se=0.0)
     table = render_docs.real_table({"results": [row, never, once]}).splitlines()
     assert table[2] == ("| DPPO (defaults: keep 0.5, stratified, packing) | 0.410 ± 0.034 | 2/2 | 0.500 ± 0.010 | "
-                        "0.300 ± 0.020 | 0.250 ± 0.000 | 0.46 | 0.410 ± 0.030 | -0.020 ± 0.010 | 0.200 -> 0.350 ± 0.050 |")  # fmt: skip
+                        "0.300 ± 0.020 | 0.250 ± 0.000 | 0.46 | 0.410 ± 0.030 | -0.020 ± 0.010 | "
+                        "0.200 -> 0.350 ± 0.050 |")
     assert table[3].startswith("| topk | - | 0/2 |")
     assert table[4].startswith("| once | 0.410 (one seed) | 1/2 |")  # no SE from a single seed
 
@@ -86,7 +87,7 @@ def test_inline_values_read_fields_ratios_and_ranges():
     results = {"bench_reasoning": {"results": [
         {"method": "grpo", "total_s": 180.0, "ratio": 1.0, "phase": {"generation": 0.45}, "tokens": 202845.0},
         {"method": "dppo", "total_s": 90.0, "ratio": 0.5049, "phase": {"generation": 0.89}, "tokens": 64511.5},
-    ]}}  # fmt: skip
+    ]}}
     text = ("<!-- generated: bench_reasoning dppo ratio inv.2f -->?<!-- end generated -->x, "
             "<!-- generated: bench_reasoning dppo ratio m1+.0% -->?<!-- end generated -->, "
             "<!-- generated: bench_reasoning grpo tokens k -->?<!-- end generated -->, "
@@ -97,7 +98,7 @@ def test_inline_values_read_fields_ratios_and_ranges():
     assert values == ["1.98", "-50%", "203k", "0.50", "0.45-0.89", "0.5"]
     with pytest.raises(ValueError, match="no_such_method"):
         render_docs.render("<!-- generated: bench_reasoning no_such_method ratio .2f --><!-- end generated -->",
-                           results)  # fmt: skip
+                           results)
 
 
 def test_every_table_of_benchmarks_md_is_generated_but_the_two_unrecorded_ones():
@@ -105,7 +106,7 @@ def test_every_table_of_benchmarks_md_is_generated_but_the_two_unrecorded_ones()
     and the `max_packed_tokens` sweep (no JSON was kept) may stand outside a generated block."""
     lines = render_docs.MARKER.sub("", (ROOT / "docs" / "benchmarks.md").read_text()).splitlines()
     headers = [line.split("|")[1].strip() for i, line in enumerate(lines)
-               if line.startswith("|") and not (i and lines[i - 1].startswith("|"))]  # fmt: skip
+               if line.startswith("|") and not (i and lines[i - 1].startswith("|"))]
     assert headers == ["program", "`max_packed_tokens`"]
 
 

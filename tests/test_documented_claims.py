@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
+from support.recording import recording
+from support.training import build, train
 from trl import GRPOTrainer
 
 from dppo_trl import DPPOTrainer
@@ -130,9 +131,8 @@ def multimodal_output(self, inputs):
 
 @pytest.mark.parametrize("overrides", MULTIMODAL_PATHS.values(), ids=MULTIMODAL_PATHS.keys())
 def test_multimodal_batches_are_refused_on_the_whole_dppo_training_path(tmp_path, tiny_model_dir, train_dataset,
-                                                                        monkeypatch, overrides):  # fmt: skip
-    trainer = DPPOTrainer(tiny_model_dir, random_reward, args=cpu_config(tmp_path, **overrides),
-                          train_dataset=train_dataset)  # fmt: skip
+                                                                        monkeypatch, overrides):
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, **overrides)
     assert trainer.args.dppo_training_path
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", multimodal_output)
     trainer.model.train()
@@ -141,8 +141,7 @@ def test_multimodal_batches_are_refused_on_the_whole_dppo_training_path(tmp_path
 
 
 def test_multimodal_batches_pass_where_the_trainer_is_grpos_own(tmp_path, tiny_model_dir, train_dataset, monkeypatch):
-    args = cpu_config(tmp_path, completion_keep_rate=1.0, packing=False)
-    trainer = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, completion_keep_rate=1.0, packing=False)
     assert not trainer.args.dppo_training_path
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", multimodal_output)
     trainer.model.train()
@@ -164,10 +163,7 @@ def complement(prompts, completions, **kwargs):
     return [(4.0 - r) / 2 for r in first_prompt_constant(prompts, completions)]
 
 
-class ScoreRecorder(DPPOTrainer):
-    def _draw_keep_mask(self, output, scores):
-        self.__dict__.setdefault("drawn", []).append((output["advantages"].clone(), scores.clone()))
-        return super()._draw_keep_mask(output, scores)
+ScoreRecorder = recording(record_keep_draws=True)
 
 
 GROUP = 4
@@ -177,13 +173,12 @@ def scores_of_equal_total_groups(tmp_path, model_dir, dataset, aggregation):
     """(advantages, scores, which groups' rewards vary) of one generation batch of six groups, every row's weighted
     reward total 4: the batch's first prompt, whose two rewards are constant, and five whose rewards vary (each
     with probability 1 - 5 / 5^4)."""
-    args = cpu_config(tmp_path, max_steps=1, completion_keep_rate=0.5, reward_weights=[1.0, 2.0],
-                      per_device_train_batch_size=6 * GROUP, num_generations=GROUP,
-                      multi_objective_aggregation=aggregation)  # fmt: skip
-    trainer = ScoreRecorder(model_dir, [first_prompt_constant, complement], args=args, train_dataset=dataset)
-    trainer.train()
+    trainer = train(ScoreRecorder, tmp_path, model_dir, dataset, reward=[first_prompt_constant, complement],
+                    max_steps=1, completion_keep_rate=0.5, reward_weights=[1.0, 2.0],
+                    per_device_train_batch_size=6 * GROUP, num_generations=GROUP,
+                    multi_objective_aggregation=aggregation)
     (advantages, scores), *_ = trainer.drawn
-    rewards = trainer._last_rewards_per_func
+    rewards = trainer.rewards[0]
     assert torch.equal(rewards @ torch.tensor([1.0, 2.0]), torch.full((6 * GROUP,), 4.0))  # equal totals everywhere
     varies = torch.tensor([g[:, 0].unique().numel() > 1 for g in rewards.view(-1, GROUP, 2)])
     assert not varies[0] and varies.sum() >= 3
@@ -196,40 +191,30 @@ def test_equal_total_rewards_under_sum_then_normalize_score_zero(tmp_path, tiny_
 
 
 def test_equal_total_rewards_under_normalize_then_sum_are_scored_from_their_advantages(tmp_path, tiny_model_dir,
-                                                                                       train_dataset):  # fmt: skip
+                                                                                       train_dataset):
     """Each reward function is normalized within its group before the weighted sum: a group whose rewards vary
     has an advantage though its total reward is equal on every row, and DPPO scores it from that advantage
     (zeroing it, as under sum_then_normalize, would drop a group with signal). A group whose every reward is
     constant has A = 0 in exact arithmetic (the batch mean of group-normalized rewards is 0); TRL's float32 leaves
     a residue, which DPPO scores 0 (the test below)."""
     advantages, scores, varies = scores_of_equal_total_groups(tmp_path, tiny_model_dir, train_dataset,
-                                                              "normalize_then_sum")  # fmt: skip
+                                                              "normalize_then_sum")
     assert advantages[varies].abs().amax(1).min() > 0.1
     assert torch.equal(scores[varies], advantages[varies])
     assert 0 < advantages[0].abs().max() < 1e-6  # the constant group: a float32 residue of an exact 0
 
 
 def test_a_group_with_every_reward_constant_scores_zero_under_normalize_then_sum(tmp_path, tiny_model_dir,
-                                                                                  train_dataset):  # fmt: skip
+                                                                                  train_dataset):
     _, scores, _ = scores_of_equal_total_groups(tmp_path, tiny_model_dir, train_dataset, "normalize_then_sum")
     assert torch.equal(scores[0], torch.zeros(GROUP))
 
 
 # ------------------------------------------------------------------ the entropy bonus under prompt pruning
-class EntropyBonusRecorder(DPPOTrainer):
-    """Records, per generation batch, the token count that prompt pruning planned for it, and, per micro-batch,
-    the entropy bonus DPPO subtracted (the loss without it minus the loss with it) and the Horvitz-Thompson sum
-    of the kept tokens' entropies that it is ``coef x`` that sum over its token count."""
-
-    def _take_prompt_decision(self, inputs, scores):
-        weights, count = super()._take_prompt_decision(inputs, scores)
-        self.__dict__.setdefault("planned", []).append(count)
-        return weights, count
-
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        self.__dict__.setdefault("own_tokens", []).append(float(out["completion_mask"].sum()))
-        return out
+class EntropyBonusRecorder(recording(batch_keys=("completion_mask",), record_prompt_decisions=True)):
+    """Records, per generation batch, its completion mask and the token count that prompt pruning planned for it,
+    and, per micro-batch, the entropy bonus DPPO subtracted (the loss without it minus the loss with it) and the
+    Horvitz-Thompson sum of the kept tokens' entropies that it is ``coef x`` that sum over its token count."""
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
@@ -250,16 +235,17 @@ class EntropyBonusRecorder(DPPOTrainer):
 
 
 def test_the_entropy_bonus_divides_by_the_planned_token_count_under_prompt_pruning(tmp_path, tiny_model_dir,
-                                                                                   train_dataset):  # fmt: skip
+                                                                                   train_dataset):
     """`docs/prompt_pruning.md`: the same D as the policy term. One micro-batch per generation batch (spg = GA = 1,
     one process), so the bonus is coef x (weighted entropy sum) / D; in the first epoch (nothing seen) D is the
     batch's own count, later the planned one, which differs from it."""
     coef = 0.1
-    args = cpu_config(tmp_path, max_steps=6, prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo",
-                      entropy_coef=coef, learning_rate=0.0)  # fmt: skip
-    trainer = EntropyBonusRecorder(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset.select(range(4)))
-    trainer.train()
-    assert len(trainer.bonuses) == len(trainer.planned) == len(trainer.own_tokens) == 6
-    for (bonus, weighted), planned, own in zip(trainer.bonuses, trainer.planned, trainer.own_tokens):
+    trainer = train(EntropyBonusRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
+                    prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo", entropy_coef=coef,
+                    learning_rate=0.0)
+    planned_counts = [count for _, count in trainer.prompt_decisions]
+    own_tokens = [float(r["completion_mask"].sum()) for r in trainer.records]
+    assert len(trainer.bonuses) == len(planned_counts) == len(own_tokens) == 6
+    for (bonus, weighted), planned, own in zip(trainer.bonuses, planned_counts, own_tokens):
         assert bonus == pytest.approx(coef * weighted / planned, rel=1e-4, abs=1e-7), (planned, own)
-    assert any(planned != own for planned, own in zip(trainer.planned, trainer.own_tokens))
+    assert any(planned != own for planned, own in zip(planned_counts, own_tokens))

@@ -8,15 +8,14 @@ import math
 import pytest
 import torch
 import varlen_reference
-from conftest import cpu_config, random_reward
-from test_packing import padded_and_packed_loss_and_grad
-from test_trainer import RecordingTrainer, train
-from test_unbiased import dppo_loss_and_grad, make_trainer, synthetic_batch
-from test_vllm_path import SimulatedVLLM
-from test_vllm_path import run as vllm_config
+from support.configs import cpu_config, simulated_vllm_config
+from support.oracle import dppo_loss_and_grad, make_trainer, padded_and_packed_loss_and_grad, synthetic_batch
+from support.recording import RecordingTrainer, append, recording
+from support.sampler import SimulatedVLLM
+from support.training import build, train
 from trl import GRPOConfig, GRPOTrainer
 
-from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl import DPPOTrainer
 from dppo_trl.core.packing import packed_allocation, plan_forward_calls
 from dppo_trl.core.estimator import (
     SUPPORTED_LOSS_TYPES,
@@ -26,6 +25,7 @@ from dppo_trl.core.estimator import (
 )
 from dppo_trl.core.prompts import PromptPruningSampler
 from dppo_trl.core.pruning import zero_spread_rows
+from dppo_trl.hooks.generation_batch import GenerationBatch
 
 VARLEN = varlen_reference.register()
 
@@ -57,8 +57,10 @@ def test_packed_update_equals_padded_under_flash_semantics(tmp_path, tiny_model_
     """Several sequences per packed row and several rows in one call (budget 16: 0.1 mixed them, loss 1.62298
     against 1.62393 padded), the default budget (one row per call), and GA < spg."""
     extra = {} if budget is None else {"max_packed_tokens": budget}
-    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, spg, gradient_accumulation_steps=ga,
-                           model_init_kwargs={"attn_implementation": VARLEN}, **extra)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, spg, gradient_accumulation_steps=ga,
+        model_init_kwargs={"attn_implementation": VARLEN}, **extra,
+    )
     trainer.current_gradient_accumulation_steps = ga
     (loss, grad), (packed_loss, packed_grad) = padded_and_packed_loss_and_grad(trainer)
     assert float(packed_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
@@ -67,17 +69,13 @@ def test_packed_update_equals_padded_under_flash_semantics(tmp_path, tiny_model_
 
 def test_flash_semantics_trains_like_sdpa(tmp_path, tiny_model_dir, train_dataset):
     """The same run (packing, pruning, GA < spg) under sdpa and under the flash stand-in: the same losses."""
-    common = dict(max_steps=2, steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                  completion_keep_rate=0.75)  # fmt: skip
+    common = dict(
+        max_steps=2, steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+        completion_keep_rate=0.75,
+    )
     runs = [
-        train(
-            DPPOTrainer,
-            tmp_path / attn,
-            tiny_model_dir,
-            train_dataset,
-            model_init_kwargs={"attn_implementation": attn},
-            **common,
-        )  # fmt: skip
+        train(DPPOTrainer, tmp_path / attn, tiny_model_dir, train_dataset,
+              model_init_kwargs={"attn_implementation": attn}, **common)
         for attn in ("sdpa", VARLEN)
     ]
     losses = [[h["loss"] for h in r.state.log_history if "loss" in h] for r in runs]
@@ -99,10 +97,10 @@ def _planned_batches(seeds=300):
     batches = []
     for seed in range(seeds):
         sampler = PromptPruningSampler(PROMPTS, 1, PER_BATCH, 1, keep_rate=0.5, keep_floor=0.1, history_decay=0.0,
-                                       seed=seed, accept_seed=10_000 + seed, max_epochs=1)  # fmt: skip
+                                       seed=seed, accept_seed=10_000 + seed, max_epochs=1)
         sampler.update(list(range(PROMPTS)), [0.0] * (PROMPTS // 2) + [1.0] * (PROMPTS // 2), TOKENS.tolist())
         batches += [(torch.tensor(b["prompts"]), torch.tensor(b["weights"], dtype=torch.float64), b["normalizer"])
-                    for b in sampler._plan_epoch()]  # fmt: skip
+                    for b in sampler._plan_epoch()]
     return batches
 
 
@@ -117,7 +115,7 @@ def _prompt_pruning_step_means(loss_type, planned):
     dppo = [step(p, w, d if planned else None) for p, w, d in _planned_batches()]
     generator = torch.Generator().manual_seed(0)
     grpo = [step(torch.randperm(PROMPTS, generator=generator)[:PER_BATCH], torch.ones(PER_BATCH, dtype=torch.float64),
-                 None) for _ in range(20_000)]  # fmt: skip
+                 None) for _ in range(20_000)]
     return sum(dppo) / len(dppo), sum(grpo) / len(grpo)
 
 
@@ -133,32 +131,27 @@ def test_the_accepted_batchs_raw_token_count_would_be_biased():
     assert abs(dppo / grpo - 1) > 0.1
 
 
-class NormalizerRecorder(DPPOTrainer):
-    def _take_prompt_decision(self, inputs, scores):
-        planned = self._prompt_sampler.decisions[self._next_prompt_batch]["normalizer"]
-        weights, count = super()._take_prompt_decision(inputs, scores)
-        self.__dict__.setdefault("prompt_weights", []).append((weights, planned))
-        return weights, count
+class NormalizerRecorder(recording(batch_keys=("num_items_in_batch", "completion_mask"), record_prompt_decisions=True)):
+    """Also the token count prompt pruning planned for each generation batch, read before the decision."""
 
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        tokens = out["completion_mask"].sum(1)
-        self.__dict__.setdefault("seen", []).append((float(out["num_items_in_batch"]), tokens))
-        return out
+    def _take_prompt_decision(self, inputs, scores, batch):
+        append(self, "planned", self._prompt_sampler.decisions[self._next_prompt_batch]["normalizer"])
+        return super()._take_prompt_decision(inputs, scores, batch)
 
 
 def test_trainer_normalizes_by_the_planned_token_count(tmp_path, tiny_model_dir, train_dataset):
     """The token count is the sampler's planned D (fixed before the epoch's acceptance draw), not the accepted
     batch's prompt-weighted count; in the first epoch (nothing seen, every prompt accepted) it is GRPO's own."""
-    trainer = train(NormalizerRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(4)),
-                    max_steps=6, prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo")  # fmt: skip
-    assert len(trainer.seen) == len(trainer.prompt_weights) == 6
-    for (normalizer, tokens), (weights, planned) in zip(trainer.seen, trainer.prompt_weights):
+    trainer = train(NormalizerRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
+                    prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo")
+    seen = [(float(r["num_items_in_batch"]), r["completion_mask"].sum(1)) for r in trainer.records]
+    weights = [w for w, _ in trainer.prompt_decisions]
+    assert len(seen) == len(weights) == len(trainer.planned) == 6
+    for (normalizer, tokens), planned in zip(seen, trainer.planned):
         assert normalizer == (float(tokens.sum()) if planned is None else planned)
-    assert trainer.prompt_weights[0][1] is None and any(p is not None for _, p in trainer.prompt_weights)
-    assert any(bool((w != 1).any()) for w, _ in trainer.prompt_weights)  # the later epochs are weighted
-    assert any(normalizer != prompt_weighted_token_count(tokens, weights)
-               for (normalizer, tokens), (weights, _) in zip(trainer.seen, trainer.prompt_weights))  # fmt: skip
+    assert trainer.planned[0] is None and any(p is not None for p in trainer.planned)
+    assert any(bool((w != 1).any()) for w in weights)  # the later epochs are weighted
+    assert any(normalizer != prompt_weighted_token_count(tokens, w) for (normalizer, tokens), w in zip(seen, weights))
 
 
 @pytest.mark.parametrize("setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"}])
@@ -170,11 +163,11 @@ def test_batch_level_reward_statistics_are_refused_with_prompt_pruning(tmp_path,
 # ------------------------------------------------------------------ 3. GA < steps_per_generation
 @pytest.mark.parametrize("kept", [list(range(16)), [0, 1, 2, 5, 6, 9, 10, 12, 13, 14]])
 def test_each_optimizer_step_gets_a_fair_share_of_rows_when_ga_is_below_spg(tmp_path, tiny_model_dir, train_dataset,
-                                                                             kept):  # fmt: skip
+                                                                             kept):
     spg, ga, rows, comp = 4, 2, 16, 5
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, spg, gradient_accumulation_steps=ga,
                            per_device_train_batch_size=rows // spg, num_generations=4, completion_keep_rate=1.0,
-                           keep_floor=0.05)  # fmt: skip
+                           keep_floor=0.05)
     lengths = torch.tensor([1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 5, 5, 5, 5])  # long-tailed completion lengths
     keep = torch.zeros(rows, dtype=torch.bool)
     keep[kept] = True
@@ -183,12 +176,13 @@ def test_each_optimizer_step_gets_a_fair_share_of_rows_when_ga_is_below_spg(tmp_
         "completion_ids": torch.full((rows, comp), 12),
         "completion_mask": (torch.arange(comp)[None] < lengths[:, None]).long(),
         "advantages": torch.ones(rows), "dppo_weight": keep.float(),
-    }  # fmt: skip
-    trainer._kept_lengths_per_rank = [(lengths[keep] + 2).tolist()]
+    }
+    state = GenerationBatch(kept_lengths_per_rank=[(lengths[keep] + 2).tolist()])
     first_rows, first_long, first_sizes = [], [], set()
     for seed in range(400):
         trainer.args.prune_seed = seed
-        microbatches = trainer._kept_microbatches({**batch, **trainer._trl_split_of_rows(batch), "dppo_keep": keep})
+        split = {**batch, **trainer._trl_split_of_rows(batch, state), "dppo_keep": keep}
+        microbatches = trainer._kept_microbatches(split, state)
         real = [mb["completion_mask"].sum(1) for mb in microbatches[:ga]]  # the first optimizer step's rows
         first_rows.append(sum(int((r > 0).sum()) for r in real))
         first_long.append(sum(int((r == comp).sum()) for r in real))
@@ -218,12 +212,11 @@ def largest_calls(trainer):
 @pytest.mark.parametrize("keep", [1.0, 0.5])
 def test_no_forward_call_is_larger_than_trls(tmp_path, tiny_model_dir, train_dataset, keep):
     common = dict(max_steps=2, beta=0.05, steps_per_generation=4, gradient_accumulation_steps=2,
-                  per_device_train_batch_size=4, max_completion_length=8)  # fmt: skip
+                  per_device_train_batch_size=4, max_completion_length=8)
     sizes = {}
-    for name, cls, cfg, extra in [("grpo", GRPOTrainer, GRPOConfig, {}),
-                                  ("dppo", DPPOTrainer, None, {"completion_keep_rate": keep})]:  # fmt: skip
-        args = cpu_config(tmp_path / name, cls=cfg, **common, **extra)
-        trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
+    runs = [("grpo", GRPOTrainer, GRPOConfig, {}), ("dppo", DPPOTrainer, None, {"completion_keep_rate": keep})]
+    for name, cls, cfg, extra in runs:
+        trainer = build(cls, tmp_path / name, tiny_model_dir, train_dataset, config_cls=cfg, **common, **extra)
         sizes[name] = largest_calls(trainer)
         trainer.train()
     assert max(sizes["dppo"]) <= max(sizes["grpo"])
@@ -254,7 +247,7 @@ def non_dyadic_constant_reward(prompts, completions, **kwargs):
 
 def test_equal_non_dyadic_rewards_keep_nothing_and_log_zero_advantage(tmp_path, tiny_model_dir, train_dataset):
     trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, reward=non_dyadic_constant_reward,
-                    max_steps=2, num_generations=8, per_device_train_batch_size=16)  # fmt: skip
+                    max_steps=2, num_generations=8, per_device_train_batch_size=16)
     assert any(bool((r["advantages"] != 0).any()) for r in trainer.records)  # TRL's float A is not exactly 0
     assert all(not r["dppo_keep"].any() for r in trainer.records)
     logs = [h for h in trainer.state.log_history if "dppo/zero_advantage_fraction" in h]
@@ -301,7 +294,7 @@ def test_logged_metrics_are_horvitz_thompson_estimates(tmp_path, tiny_model_dir,
 
 def test_ess_and_weight_max_include_the_prompt_weights(tmp_path, tiny_model_dir, train_dataset):
     trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
-                    prompt_keep_rate=0.5, completion_keep_rate=1.0)  # fmt: skip
+                    prompt_keep_rate=0.5, completion_keep_rate=1.0)
     logs = [h for h in trainer.state.log_history if "dppo/prompt_weight_max" in h]
     assert logs and any(h["dppo/prompt_weight_max"] > 1 for h in logs)
     for h in logs:
@@ -310,32 +303,25 @@ def test_ess_and_weight_max_include_the_prompt_weights(tmp_path, tiny_model_dir,
 
 def test_weight_max_is_the_largest_completion_times_prompt_weight(tmp_path, tiny_model_dir, train_dataset):
     trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
-                    prompt_keep_rate=0.5, completion_keep_rate=0.5)  # fmt: skip
+                    prompt_keep_rate=0.5, completion_keep_rate=0.5)
     logs = [h for h in trainer.state.log_history if "dppo/weight_max" in h]
     assert len(logs) == len(trainer.records) == 6 and any(h["dppo/prompt_weight_max"] > 1 for h in logs)
     for h, r in zip(logs, trainer.records):
         assert h["dppo/weight_max"] == pytest.approx(float(r["dppo_weight"].max()), rel=1e-6)
 
 
-class WeightedSamplingRecorder(SimulatedVLLM, DPPOTrainer):
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            keys = ("importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps", "completion_mask",
-                    "dppo_keep", "dppo_weight")  # fmt: skip
-            self.__dict__.setdefault("full", []).append({k: out[k].detach().clone().double() for k in keys})
-        return out
+SAMPLING_RECORD = ("importance_sampling_ratio", "old_per_token_logps", "sampling_per_token_logps", "completion_mask",
+                   "dppo_keep", "dppo_weight")
+WeightedSamplingRecorder = recording(DPPOTrainer, SimulatedVLLM, batch_keys=SAMPLING_RECORD, batch_dtype=torch.float64)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
 def test_sampling_means_are_horvitz_thompson_weighted(tmp_path, tiny_model_dir, train_dataset, mode):
-    args = vllm_config(WeightedSamplingRecorder, DPPOConfig, tmp_path, mode, max_steps=2, completion_keep_rate=0.5)
-    trainer = WeightedSamplingRecorder(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
-    trainer.use_vllm = True
-    trainer.train()
+    args = simulated_vllm_config(tmp_path, mode, max_steps=2, completion_keep_rate=0.5)
+    trainer = train(WeightedSamplingRecorder, tmp_path, tiny_model_dir, train_dataset, args=args)
     logs = [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/mean" in h]
-    assert len(logs) == len(trainer.full) == 2
-    for h, r in zip(logs, trainer.full):
+    assert len(logs) == len(trainer.records) == 2
+    for h, r in zip(logs, trainer.records):
         keep, w, m = r["dppo_keep"].bool(), r["dppo_weight"], r["completion_mask"]
         assert 0 < int(keep.sum()) < keep.numel() and len(set(w[keep].tolist())) > 1  # weights that differ
         ratio = r["importance_sampling_ratio"]
@@ -348,4 +334,4 @@ def test_sampling_means_are_horvitz_thompson_weighted(tmp_path, tiny_model_dir, 
         delta = (r["old_per_token_logps"] - r["sampling_per_token_logps"]).abs()
         assert h["sampling/importance_sampling_ratio/mean"] == pytest.approx(want, rel=1e-5)
         assert h["sampling/sampling_logp_difference/mean"] == pytest.approx(float((delta[keep] * wm).sum() / wm.sum()),
-                                                                             rel=1e-5)  # fmt: skip
+                                                                             rel=1e-5)

@@ -5,36 +5,17 @@ import math
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
-from test_trainer import params_of, train
-from test_unbiased import (
-    N_ROWS,
-    assert_exact,
-    dppo_loss_and_grad,
-    expectation,
-    float64,
-    make_trainer,
-    poisson_outcomes,
-    synthetic_batch,
-)
+from support.configs import N_ROWS
+from support.oracle import as_float64, assert_exact, dppo_loss_and_grad, expectation, make_trainer, synthetic_batch
+from support.outcomes import poisson_outcomes
+from support.training import build, losses_of, params_of, train
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOTrainer
 from dppo_trl.core.pruning import keep_probabilities
-from dppo_trl.tasks.toy import save_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_moe_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-moe"), hidden_size=32, num_layers=2, moe=True)
-
 
 TRL_LOSS_METRICS = ("policy_loss", "entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
                     "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean")
-
-
-def losses(trainer):
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 EVERY_ROW_KEPT = dict(completion_keep_rate=0.5, keep_floor=1.0, packing=False)
@@ -49,7 +30,7 @@ def assert_every_row_kept_is_grpo(tmp_path, model_dir, dataset, dppo_settings=EV
     dppo = train(DPPOTrainer, tmp_path / "d", model_dir, dataset, **dppo_settings, **common)
     # A loss near 0 is a sum of O(1) per-token terms of both signs: float32 summation order alone moves it by
     # ~1e-6, so the absolute tolerance is 1e-5 (the parameters, O(1), are compared at 1e-4 relative).
-    assert losses(dppo) == pytest.approx(losses(grpo), rel=1e-4, abs=1e-5)
+    assert losses_of(dppo) == pytest.approx(losses_of(grpo), rel=1e-4, abs=1e-5)
     for key in TRL_LOSS_METRICS:  # logged by GRPOTrainer: logged by DPPO too, the same values
         logged = [[h[key] for h in t.state.log_history if key in h] for t in (grpo, dppo)]
         assert logged[1] == pytest.approx(logged[0], rel=1e-4, abs=1e-6), key
@@ -67,9 +48,8 @@ def test_moe_router_loss_with_every_row_kept_is_grpos(tmp_path, tiny_moe_dir, tr
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_moe_trains_at_dppos_defaults(tmp_path, tiny_moe_dir, train_dataset, packing):
-    before = None
-    args = cpu_config(tmp_path, max_steps=2, steps_per_generation=2, gradient_accumulation_steps=1, packing=packing)
-    trainer = DPPOTrainer(tiny_moe_dir, random_reward, args=args, train_dataset=train_dataset)
+    trainer = build(DPPOTrainer, tmp_path, tiny_moe_dir, train_dataset, max_steps=2, steps_per_generation=2,
+                    gradient_accumulation_steps=1, packing=packing)
     before = params_of(trainer)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -106,17 +86,17 @@ def test_per_sequence_metrics_count_every_row_as_trl(tmp_path, tiny_model_dir, t
     grpo, _ = assert_every_row_kept_is_grpo(
         tmp_path, tiny_model_dir, train_dataset, dict(completion_keep_rate=1.0), loss_type=loss_type,
         importance_sampling_level="sequence", mask_truncated_completions=True,
-    )  # fmt: skip
+    )
     key = "vespo/phi_seq_mean" if loss_type == "vespo" else "clip_ratio/region_mean"
     assert any(h.get(key) for h in grpo.state.log_history) or loss_type == "dapo"
 
 
 @pytest.mark.parametrize("settings", [dict(entropy_coef=0.01), dict(entropy_coef=0.01, top_entropy_quantile=0.5),
-                                      dict(use_adaptive_entropy=True, top_entropy_quantile=0.5)])  # fmt: skip
+                                      dict(use_adaptive_entropy=True, top_entropy_quantile=0.5)])
 def test_entropy_terms_train_at_dppos_defaults(tmp_path, tiny_model_dir, train_dataset, settings):
     trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, steps_per_generation=2,
-                    gradient_accumulation_steps=1, **settings)  # fmt: skip
-    assert all(math.isfinite(x) for x in losses(trainer)) and len(losses(trainer)) == 2
+                    gradient_accumulation_steps=1, **settings)
+    assert all(math.isfinite(x) for x in losses_of(trainer)) and len(losses_of(trainer)) == 2
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
@@ -127,14 +107,15 @@ def test_entropy_bonus_keeps_the_estimator_unbiased(
     """Every Poisson mask enumerated, in float64: the expected loss and gradient with the entropy bonus equal the
     full batch's (rows with A = 0 carry entropy, so they stay eligible)."""
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, 0.0, spg, float64=True,
-                           gradient_accumulation_steps=ga, entropy_coef=0.05)  # fmt: skip
-    batch = float64(synthetic_batch(trainer))
-    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool), torch.ones(N_ROWS))
+                           gradient_accumulation_steps=ga, entropy_coef=0.05)
+    batch = as_float64(synthetic_batch(trainer))
+    every_row = torch.ones(N_ROWS, dtype=torch.bool)
+    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, every_row, torch.ones(N_ROWS))
     no_bonus = make_trainer(tmp_path / "n", tiny_model_dir, train_dataset, loss_type, 0.0, spg, float64=True,
-                            gradient_accumulation_steps=ga)  # fmt: skip
+                            gradient_accumulation_steps=ga)
     no_bonus.model.load_state_dict(trainer.model.state_dict())
-    assert abs(float(full_loss - dppo_loss_and_grad(no_bonus, batch, torch.ones(N_ROWS, dtype=torch.bool),
-                                                    torch.ones(N_ROWS))[0])) > 1e-4  # fmt: skip  # the bonus is on
+    no_bonus_loss, _ = dppo_loss_and_grad(no_bonus, batch, every_row, torch.ones(N_ROWS))
+    assert abs(float(full_loss - no_bonus_loss)) > 1e-4  # the bonus is on
     pi, _ = keep_probabilities(batch["advantages"], 0.5, 0.1, zero_score_contributes=True)
     assert pi[1] > 0  # the zero-advantage row is eligible: its entropy counts
     loss, grad = expectation(trainer, batch, poisson_outcomes(pi))

@@ -6,17 +6,18 @@ forward calls, pass by pass (what a sharded model, which gathers its parameters 
 no log-prob call is larger than GRPOTrainer's. Under FSDP2 (both models sharded) DPPO finishes, also with a
 rank that keeps nothing, and ends where DDP does."""
 
-import contextlib
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.configs import cpu_config
+from support.processes import run_two_processes
+from support.rewards import random_reward
+
+from dppo_trl.hooks.generation_batch import GenerationBatch
+
+pytestmark = pytest.mark.subprocess  # torchrun
 
 WORKER = Path(__file__).parent / "multiprocess_worker.py"
 
@@ -40,46 +41,6 @@ def assert_same_forward_calls(ranks):
                 assert numel <= trl_call[tuple(batch)], (model, grad, batch, numel, trl_call[tuple(batch)])
 
 
-def kill_process_tree(pid):
-    """SIGKILL the process group of ``pid`` and of every descendant. torchrun starts each worker in a session of
-    its own (torch's elastic subprocess handler: ``start_new_session=True``), so killing torchrun's group alone
-    leaves hung workers behind, holding the pipes ``communicate`` reads to the end (measured: it then waits
-    forever)."""
-    import psutil  # an accelerate dependency
-
-    try:
-        tree = [pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))]
-    except psutil.NoSuchProcess:
-        tree = [pid]
-    for member in tree:
-        try:
-            group = os.getpgid(member)
-        except ProcessLookupError:
-            continue
-        if group != os.getpgrp():  # never pytest's own group
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-
-
-def run_two_processes(worker, *worker_args, timeout=300, env=None) -> None:
-    """``torchrun`` of ``worker`` on 2 CPU processes; fails the test on a non-zero exit or after ``timeout`` s (a
-    hang), killing every process it started."""
-    launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert launcher, "torchrun comes with torch"
-    # --standalone: the launcher binds a free local port itself (a port picked here could be taken before it binds)
-    command = [launcher, "--standalone", "--nproc_per_node", "2", str(worker), *map(str, worker_args)]
-    # Its own process group, so that a hang kills torchrun and not pytest.
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                           start_new_session=True)  # fmt: skip
-    try:
-        _, stderr = run.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_process_tree(run.pid)
-        _, stderr = run.communicate()
-        pytest.fail(f"no result after {timeout} s (a hang?):\n{stderr[-3000:]}")
-    assert run.returncode == 0, stderr[-3000:]
-
-
 def torchrun(out_dir, model_dir, *worker_args, timeout=300):
     """Run the worker on 2 CPU processes; return each rank's record and the parameters of rank 0 and 1."""
     run_two_processes(WORKER, model_dir, out_dir, *worker_args, timeout=timeout)
@@ -100,26 +61,25 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sam
         assert any(0 in pair for pair in zip(ranks[0]["local_kept"], ranks[1]["local_kept"]))
     # Oracle: one process holding the same global batch (twice the rows per device) draws the same mask and
     # logs the same pruning metrics.
-    from conftest import cpu_config, random_reward
-
     from dppo_trl import DPPOTrainer
 
     args = cpu_config(tmp_path / "single", per_device_train_batch_size=16, beta=0.05, steps_per_generation=2,
                       gradient_accumulation_steps=2, num_iterations=2, completion_keep_rate=rate,
-                      prune_sampling=sampling)  # fmt: skip
+                      prune_sampling=sampling)
     single = DPPOTrainer(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
     draw = ranks[0]["first_draw"]
     advantages = torch.tensor(draw["advantages"])
     lengths = {k: torch.tensor(ranks[0]["first_draw"][k] + ranks[1]["first_draw"][k]) for k in
-               ("completion_lengths", "prompt_lengths")}  # fmt: skip
+               ("completion_lengths", "prompt_lengths")}
     columns = torch.arange(int(max(lengths["completion_lengths"].max(), lengths["prompt_lengths"].max())))
     output = {
         "advantages": advantages,
         "completion_mask": (columns[None] < lengths["completion_lengths"][:, None]).long(),
         "prompt_mask": (columns.flip(0)[None] < lengths["prompt_lengths"][:, None]).long(),
     }
-    keep, weights, pi = single._draw_keep_mask(output, advantages)
-    single._log_pruning_metrics(output, keep, weights, pi, advantages)
+    batch = GenerationBatch()
+    single._draw_keep_mask(output, batch, advantages)
+    single._log_pruning_metrics(batch, advantages)
     assert single.last_global_keep.int().tolist() == ranks[0]["masks"][0]
     logged = ranks[0]["first_log"]
     assert {"dppo/kept_fraction", "dppo/kept_token_fraction", "dppo/ess", "dppo/compute_saved"} <= set(
@@ -129,6 +89,7 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sam
         assert logged[key] == pytest.approx(values[0], rel=1e-6, abs=1e-9), key
 
 
+@pytest.mark.slow
 def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_dir):
     """One generation batch (2 optimizer steps), balanced vs never balanced: the same masks and, up to float
     summation order, the same parameters; the balanced run moved rows and ended within 10% of the mean load
@@ -143,12 +104,13 @@ def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_with_prompt_pruning_as_if_never_stopped(tmp_path, tiny_model_dir):
     """12 steps uninterrupted vs 6 steps, checkpoint, stop, resume to 12 (the stop is inside the second epoch,
     where prompt pruning has history to act on): the same prompts on each rank, masks and parameters."""
     whole, params = torchrun(tmp_path / "whole", tiny_model_dir, "systematic", 0.5, 12, "--prompt-keep-rate", 0.5)
     split, resumed = torchrun(tmp_path / "split", tiny_model_dir, "systematic", 0.5, 12, "--prompt-keep-rate", 0.5,
-                              "--stop", 6)  # fmt: skip
+                              "--stop", 6)
     assert whole[0]["steps"] == split[0]["steps"] == 12
     for rank in range(2):
         assert split[rank]["prompts"] == whole[rank]["prompts"] and split[rank]["masks"] == whole[rank]["masks"]
@@ -168,6 +130,7 @@ def ddp_spg4(tmp_path_factory, tiny_model_dir):
     return torchrun(tmp_path_factory.mktemp("ddp-spg4"), tiny_model_dir, *SPG4_RUN, timeout=120)
 
 
+@pytest.mark.slow
 def test_ranks_keeping_different_rows_make_the_same_forward_calls(ddp_spg4):
     """torchrun checked that both ranks made the same calls and none larger than TRL's; here, that the check had
     something to catch: the ranks kept different numbers of rows, a deferred pass took more than one call, and
@@ -178,7 +141,7 @@ def test_ranks_keeping_different_rows_make_the_same_forward_calls(ddp_spg4):
     assert deferred and all(p[-1] > 1 for p in deferred)
     per_device = ranks[0]["per_device_train_batch_size"]
     assert any(tokens > per_device * width for rank in ranks
-               for tokens, (_, width) in zip(rank["local_kept_tokens"], rank["widths"], strict=True))  # fmt: skip
+               for tokens, (_, width) in zip(rank["local_kept_tokens"], rank["widths"], strict=True))
 
 
 def test_fsdp2_rank_keeping_nothing_finishes(tmp_path, tiny_model_dir):
@@ -189,6 +152,7 @@ def test_fsdp2_rank_keeping_nothing_finishes(tmp_path, tiny_model_dir):
     assert [sorted(kept) for kept in zip(ranks[0]["local_kept"], ranks[1]["local_kept"])] == [[0, 1]]
 
 
+@pytest.mark.slow
 def test_fsdp2_trains_as_ddp(ddp_spg4, tmp_path, tiny_model_dir):
     """The same run (pruning, packing, rank balancing, spg 4 > GA 2, 8 steps) with the policy and the reference
     sharded by FSDP2 instead of DDP: the same masks, kept rows and forward calls, and the same parameters up to
@@ -216,6 +180,7 @@ def test_fsdp2_trains_as_ddp(ddp_spg4, tmp_path, tiny_model_dir):
         assert (p - initial[name].detach()).abs().max() > 1e-3, name  # training moved it far past the tolerance
 
 
+@pytest.mark.slow
 def test_ranks_whose_floats_differ_in_the_last_bit_share_one_decision(tmp_path, tiny_model_dir):
     """Rank 1's scores moved up by one ulp before its keep decision and before they enter its prompt history (as
     on a machine whose math library rounds differently; it also turns the exact zeros of zero-spread groups into
@@ -225,7 +190,7 @@ def test_ranks_whose_floats_differ_in_the_last_bit_share_one_decision(tmp_path, 
     decisions: the same masks, prompts, prompt weights and normalizers bit for bit, the same forward calls, no
     hang, the same parameters (torchrun checks masks, calls and parameters)."""
     ranks, _ = torchrun(tmp_path, tiny_model_dir, "balanced", 0.5, 12, "--prompt-keep-rate", 0.5, "--perturb-rank", 1,
-                        "--beta", 0, timeout=180)  # fmt: skip
+                        "--beta", 0, timeout=180)
     assert ranks[0]["own_masks"] == ranks[0]["masks"]  # the main process's own decision is the shared one
     assert ranks[1]["own_masks"] != ranks[0]["own_masks"]  # one ulp changed rank 1's own draw
     assert ranks[1]["own_q"] != ranks[0]["own_q"]  # and its own acceptance probabilities

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_trainer import RecordingTrainer, losses_of
-from test_unbiased import N_ROWS, dppo_loss_and_grad, make_trainer, synthetic_batch
+from support.oracle import make_trainer, padded_and_packed_loss_and_grad, synthetic_batch
+from support.recording import RecordingTrainer
+from support.training import losses_of, train
 from trl import GRPOTrainer
 
 from dppo_trl.core.packing import (
@@ -124,19 +124,6 @@ def test_packed_logprobs_equal_padded(tmp_path, tiny_model_dir, train_dataset, a
     assert torch.all(plp[~m] == 0)
 
 
-def padded_and_packed_loss_and_grad(trainer):
-    """Loss and gradient of one synthetic generation batch (5 of 6 rows kept, unequal weights) through DPPO's
-    split and loss, padded (``packing=False``) and packed."""
-    batch = synthetic_batch(trainer, seed=2)
-    keep = torch.tensor([True, True, False, True, True, True])
-    weights = torch.where(keep, torch.tensor([1.5, 2.0, 0.0, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS))
-    results = {}
-    for packing in (False, True):
-        trainer.args.packing = packing
-        results[packing] = dppo_loss_and_grad(trainer, batch, keep, weights)
-    return results[False], results[True]
-
-
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "sapo"])
 @pytest.mark.parametrize("use_peft", [False, True])
 def test_packed_loss_and_gradient_equal_padded(tmp_path, tiny_model_dir, train_dataset, loss_type, use_peft):
@@ -152,34 +139,27 @@ def test_packed_loss_and_gradient_equal_padded(tmp_path, tiny_model_dir, train_d
 
 
 def test_fewer_kept_rows_than_micro_steps(tmp_path, tiny_model_dir, train_dataset):
-    trainer = RecordingTrainer(
+    trainer = train(
+        RecordingTrainer,
+        tmp_path,
         tiny_model_dir,
-        random_reward,
-        train_dataset=train_dataset,
-        args=cpu_config(
-            tmp_path,
-            max_steps=2,
-            steps_per_generation=4,
-            gradient_accumulation_steps=4,
-            per_device_train_batch_size=4,
-            num_generations=4,
-            completion_keep_rate=0.05,
-            prune_sampling="topk",
-        ),
+        train_dataset,
+        max_steps=2,
+        steps_per_generation=4,
+        gradient_accumulation_steps=4,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        completion_keep_rate=0.05,
+        prune_sampling="topk",
     )
-    trainer.train()
     assert all(int(r["dppo_keep"].sum()) == 1 for r in trainer.records)
     assert all(math.isfinite(x) for x in losses_of(trainer))
 
 
 def test_a_sequence_longer_than_the_budget_gets_a_row_of_its_own(tmp_path, tiny_model_dir, train_dataset):
-    trainer = RecordingTrainer(
-        tiny_model_dir,
-        random_reward,
-        train_dataset=train_dataset,
-        args=cpu_config(tmp_path, max_steps=2, max_packed_tokens=3, beta=0.05),
+    trainer = train(
+        RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, max_packed_tokens=3, beta=0.05
     )
-    trainer.train()
     lengths = [int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1)).max()) for r in trainer.records]
     assert max(lengths) > 3
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -320,7 +300,7 @@ def test_every_rank_plans_as_many_calls_though_ranks_pad_to_different_widths():
         world = int(torch.randint(2, 5, (), generator=generator))
         widths = torch.randint(4, 40, (world,), generator=generator).tolist()
         lengths = [torch.randint(1, w + 1, (int(torch.randint(0, 12, (), generator=generator)),), generator=generator)
-                   .tolist() for w in widths]  # fmt: skip
+                   .tolist() for w in widths]
         assert len({len(p) for p in plan_calls_per_rank(lengths, widths, 3, lambda w: w)}) == 1
 
 
@@ -350,7 +330,7 @@ def test_microbatch_plan_gives_every_rank_a_fair_share_of_each_optimizer_step(pa
         assert (share - 0.5).abs().max() < 0.1, (rank, share.tolist())
     for seed in range(20):  # the sizes are the same on both ranks
         plans = [microbatch_plan(own, lengths_per_rank, spg, 16, packing, torch.Generator().manual_seed(seed))
-                 for own in lengths_per_rank]  # fmt: skip
+                 for own in lengths_per_rank]
         assert plans[0][1] == plans[1][1]
 
 
@@ -373,9 +353,9 @@ def tiny_gpt2_dir(tmp_path_factory):
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+               pad_token_id=tokenizer.pad_token_id)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, **ids)  # fmt: skip
+                        embd_pdrop=0.0, attn_pdrop=0.0, **ids)
     model = GPT2LMHeadModel(config)
     with torch.no_grad():  # positions that matter: the random init's position embeddings are tiny (std 0.01)
         model.transformer.wpe.weight.normal_(0, 1.0)

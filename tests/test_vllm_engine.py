@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_path import SAMPLING_KEYS
+from support.sampler import SAMPLING_KEYS
 
 pytest.importorskip("vllm", reason="the vLLM lane: `make test-vllm` (its own venv)")
+pytestmark = [pytest.mark.subprocess, pytest.mark.real_model, pytest.mark.slow]  # a vLLM engine per process
 
 HERE = Path(__file__).resolve().parent
 MODES = ["token_truncate", "sequence_truncate", "sequence_mask", "token_mask"]
@@ -31,7 +32,7 @@ SCENARIOS = {
     # Batches 0-3 as above; batch 4 keeps nothing (a constant reward); batch 5 trains (steps 11 and 12).
     "dppo_keep_half": dict(trainer="dppo", max_steps=12, modes=MODES + ["token_truncate"] * 2,
                            constant_reward_batches=[4], trained_steps=[11, 12], dppo=dict(completion_keep_rate=0.5)),
-}  # fmt: skip
+}
 COMPARED = len(MODES)  # generation batches at the same parameters in every run
 # VLLM_CPU_CI_ENV: vLLM's own switch for its CPU CI, dynamo with the eager backend instead of inductor (the same
 # model, not compiled: about 60 s less per engine start); a 1 GiB KV cache is plenty for 16 rows of 512 tokens.
@@ -51,7 +52,7 @@ def runs(tmp_path_factory):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **ENGINE_ENV)
         log = open(out / f"{name}.log", "w")
         procs[name] = (subprocess.Popen([sys.executable, str(HERE / "vllm_worker.py"), json.dumps(scenario)],
-                                        stdout=log, stderr=subprocess.STDOUT, env=env), log)  # fmt: skip
+                                        stdout=log, stderr=subprocess.STDOUT, env=env), log)
     for name, (proc, log) in procs.items():
         proc.wait(timeout=1500)
         log.close()
@@ -184,10 +185,10 @@ def test_bench_real_runs_with_vllm_generating(tmp_path):
     out = tmp_path / "real_vllm.json"
     argv = ["--vllm", "--seeds", "0", "--steps", "2", "--methods", "grpo", "dppo", "--warmup", "0", "--heldout", "4",
             "--train-prompts", "2", "--prompts-per-step", "1", "--max-completion-length", "4", "--eval-every", "2",
-            "--window", "2", "--threads", "1", "--json", str(out)]  # fmt: skip
+            "--window", "2", "--threads", "1", "--json", str(out)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29720", **ENGINE_ENV)
     done = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_real.py"), *argv], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert saved["trainer_args"]["use_vllm"] and saved["trainer_args"]["vllm_mode"] == "colocate"

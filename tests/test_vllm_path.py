@@ -4,66 +4,19 @@ must rebuild exactly TRL's IS ratio and `sampling/*` metrics on the kept rows.""
 
 import pytest
 import torch
-from conftest import cpu_config, random_reward
-from test_trainer import constant_reward, count_logprob_rows, losses_of, params_of
+from support.configs import simulated_vllm_config
+from support.recording import count_logprob_rows, recording
+from support.rewards import constant_reward
+from support.sampler import SAMPLING_KEYS, SimulatedVLLM
+from support.training import build, losses_of, params_of, train
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOConfig, DPPOTrainer
 
-
-class SimulatedVLLM:
-    def _generate(self, prompts):
-        self.use_vllm = False
-        try:
-            out = list(super()._generate(prompts))
-        finally:
-            self.use_vllm = True
-        # Sampler log-probs near the tiny model's (about log(1/vocab)), deterministic in the tokens.
-        out[4] = [[-4.6 + 0.1 * ((t * 31 + i) % 7 - 3) for i, t in enumerate(ids)] for ids in out[1]]
-        return tuple(out)
-
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            self.__dict__.setdefault("records", []).append(
-                {
-                    k: out[k].detach().clone()
-                    for k in ("importance_sampling_ratio", "old_per_token_logps", "dppo_keep")
-                    if k in out
-                }
-            )
-        return out
-
-
-class SimGRPO(SimulatedVLLM, GRPOTrainer):
-    pass
-
-
-class SimDPPO(SimulatedVLLM, DPPOTrainer):
-    pass
-
-
-SAMPLING_KEYS = [
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
-]
-
-
-def run(cls, config_cls, tmp_path, mode, **kwargs):
-    kwargs.setdefault("beta", 0.05)
-    return cpu_config(
-        tmp_path,
-        cls=config_cls,
-        steps_per_generation=2,
-        gradient_accumulation_steps=2,
-        vllm_importance_sampling_mode=mode,
-        vllm_importance_sampling_clip_max=1.2,
-        vllm_importance_sampling_clip_min=0.9,
-        **kwargs,
-    )
+# What each training generation batch says of its importance sampling.
+IS_KEYS = ("importance_sampling_ratio", "old_per_token_logps", "dppo_keep")
+SimGRPO = recording(GRPOTrainer, SimulatedVLLM, batch_keys=IS_KEYS)
+SimDPPO = recording(DPPOTrainer, SimulatedVLLM, batch_keys=IS_KEYS)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate", "sequence_mask", "token_mask"])
@@ -73,11 +26,8 @@ def test_every_row_kept_reproduces_trls_importance_sampling(tmp_path, tiny_model
         ("grpo", SimGRPO, GRPOConfig, {}),
         ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5, "keep_floor": 1.0, "packing": False}),
     ]:
-        args = run(cls, cfg, tmp_path / name, mode, max_steps=3, **extra)
-        trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
-        trainer.use_vllm = True
-        trainer.train()
-        results[name] = trainer
+        args = simulated_vllm_config(tmp_path / name, mode, cls=cfg, max_steps=3, **extra)
+        results[name] = train(cls, tmp_path, tiny_model_dir, train_dataset, args=args)
     grpo, dppo = results["grpo"], results["dppo"]
     for g, d in zip(grpo.records, dppo.records):
         torch.testing.assert_close(d["importance_sampling_ratio"], g["importance_sampling_ratio"], rtol=1e-5, atol=1e-6)
@@ -96,9 +46,8 @@ def test_pruned_old_policy_pass_skips_pruned_rows_and_keeps_trls_ratio(tmp_path,
         ("grpo", SimGRPO, GRPOConfig, {}),
         ("dppo", SimDPPO, DPPOConfig, {"completion_keep_rate": 0.5}),
     ]:
-        args = run(cls, cfg, tmp_path / name, "token_truncate", max_steps=2, **extra)
-        trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
-        trainer.use_vllm = True
+        args = simulated_vllm_config(tmp_path / name, "token_truncate", cls=cfg, max_steps=2, **extra)
+        trainer = build(cls, tmp_path, tiny_model_dir, train_dataset, args=args)
         counter = count_logprob_rows(trainer)
         trainer.train()
         results[name] = (trainer, counter["rows"])
@@ -118,10 +67,9 @@ def test_a_batch_that_keeps_nothing_logs_no_sampling_metrics(tmp_path, tiny_mode
     the `sampling/*` keys out (a 0 would read as every ratio masked); GRPO logs them as always."""
     logs = {}
     for name, cls, cfg in [("grpo", SimGRPO, GRPOConfig), ("dppo", SimDPPO, DPPOConfig)]:
-        args = run(cls, cfg, tmp_path / name, "token_truncate", max_steps=1, beta=0.0)  # beta > 0 keeps them (KL)
-        trainer = cls(tiny_model_dir, constant_reward, args=args, train_dataset=train_dataset)
-        trainer.use_vllm = True
-        trainer.train()
+        # beta > 0 would keep them (KL)
+        args = simulated_vllm_config(tmp_path / name, "token_truncate", cls=cfg, max_steps=1, beta=0.0)
+        trainer = train(cls, tmp_path, tiny_model_dir, train_dataset, reward=constant_reward, args=args)
         logs[name] = next(h for h in trainer.state.log_history if "loss" in h)
     assert logs["dppo"]["dppo/kept_fraction"] == 0
     assert not any(key in logs["dppo"] for key in SAMPLING_KEYS)
@@ -132,11 +80,9 @@ def test_kept_rows_without_a_scored_token_log_no_logp_difference(tmp_path, tiny_
     """Every completion truncated and masked (`mask_truncated_completions`), every row kept: a sequence-level IS
     ratio still has a mean over the rows, the log-prob difference has no token to average. Its entry is left out
     (a None there would crash TRL's log), the ratio's is logged."""
-    args = run(SimDPPO, DPPOConfig, tmp_path, "sequence_truncate", max_steps=1, completion_keep_rate=1.0,
-               max_completion_length=2, mask_truncated_completions=True)  # fmt: skip
-    trainer = SimDPPO(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset)
-    trainer.use_vllm = True
-    trainer.train()
+    args = simulated_vllm_config(tmp_path, "sequence_truncate", max_steps=1, completion_keep_rate=1.0,
+                                 max_completion_length=2, mask_truncated_completions=True)
+    trainer = train(SimDPPO, tmp_path, tiny_model_dir, train_dataset, args=args)
     (log,) = [h for h in trainer.state.log_history if "loss" in h]
     assert log["completions/clipped_ratio"] == 1.0
     assert "sampling/importance_sampling_ratio/mean" in log

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # a wheel build, a venv, the installed CLI
+
 REPO = Path(__file__).parent.parent
 
 

@@ -45,7 +45,7 @@ def varlen_reference_attention(module, query, key, value, attention_mask, scalin
         probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
         return (probs @ value).transpose(1, 2).contiguous(), None
     seg = _segments(batch, length, attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"),
-                    query.device)  # fmt: skip
+                    query.device)
     order = torch.arange(batch * length, device=query.device)
     allowed = (seg[:, None] == seg[None, :]) & (order[None, :] <= order[:, None]) & (seg[None, :] >= 0)
     q = query.transpose(0, 1).reshape(heads, batch * length, dim)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 RECORDED = ("completion_ids", "completion_mask", "old_per_token_logps", "sampling_per_token_logps",
-            "importance_sampling_ratio", "advantages", "dppo_keep", "dppo_weight")  # fmt: skip
+            "importance_sampling_ratio", "advantages", "dppo_keep", "dppo_weight")
 
 
 CONSTANT_REWARD = {"now": False}  # set per generation batch by Recording
@@ -33,27 +33,22 @@ def spread_reward(completions, **kwargs):
     return [0.0 if CONSTANT_REWARD["now"] else float(len(completion_text(c)) % 5) for c in completions]
 
 
-class Recording:
-    """Sets the IS mode of each generation batch, makes the chosen batches' rewards constant, and records what
-    ``_generate_and_score_completions`` returns (for DPPO: after pruning and its old-log-prob pass)."""
+class Scenario:
+    """Sets the IS mode of each generation batch and makes the chosen batches' rewards constant (put before
+    ``support.recording.Recorder``, which records what ``_generate_and_score_completions`` returns: for DPPO, after
+    pruning and its old-log-prob pass); each record also says the batch's IS mode."""
 
     scenario: dict
 
     def _generate_and_score_completions(self, inputs):
-        batch = len(self.records)
+        batch = len(self.__dict__.get("records", []))
         modes = self.scenario.get("modes")
         if modes:
             self.vllm_importance_sampling_mode = modes[batch % len(modes)]
         CONSTANT_REWARD["now"] = batch in self.scenario.get("constant_reward_batches", [])
         out = super()._generate_and_score_completions(inputs)
-        record = {k: out[k].detach().clone() for k in RECORDED if k in out}
-        record["mode"] = self.vllm_importance_sampling_mode
-        self.records.append(record)
+        self.records[-1]["mode"] = self.vllm_importance_sampling_mode
         return out
-
-    def _record_audit(self, dppo, grpo, seconds):  # DPPO with audit_every: each audit's two gradients
-        self.audits.append((dppo.clone(), grpo.clone()))
-        super()._record_audit(dppo, grpo, seconds)
 
 
 def lora_gradient(trainer):
@@ -70,31 +65,30 @@ def run(scenario: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     import vllm_cpu_shim
+    from support.configs import smollm2_config
+    from support.recording import count_logprob_rows, recording
+
     from dppo_trl import DPPOConfig, DPPOTrainer
     from dppo_trl.smollm2 import ensure
     from dppo_trl.tasks.reasoning_gym import reasoning_gym_dataset
-    from test_trainer import count_logprob_rows
 
     vllm_cpu_shim.apply()
     is_grpo = scenario["trainer"] == "grpo"
     base, config_cls = (GRPOTrainer, GRPOConfig) if is_grpo else (DPPOTrainer, DPPOConfig)
-    trainer_cls = type("Recording" + base.__name__, (Recording, base), {"scenario": scenario, "records": None})
-    args = config_cls(
-        output_dir=scenario["out"] + ".run", bf16=False, use_cpu=True, gradient_checkpointing=False,
-        per_device_train_batch_size=8, num_generations=4, steps_per_generation=2, gradient_accumulation_steps=1,
-        max_completion_length=16, temperature=1.0, optim="sgd", learning_rate=scenario.get("learning_rate", 0.05),
-        lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=scenario["max_steps"], logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, disable_tqdm=True, use_vllm=True, vllm_mode="colocate",
-        vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3,
-        vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.1,
+    trainer_cls = recording(base, Scenario, batch_keys=RECORDED, record_audits=True)
+    trainer_cls.scenario = scenario
+    args = smollm2_config(
+        config_cls, scenario["out"] + ".run", steps_per_generation=2, gradient_accumulation_steps=1,
+        max_completion_length=16, learning_rate=scenario.get("learning_rate", 0.05), max_grad_norm=0.0,
+        max_steps=scenario["max_steps"], use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512,
+        vllm_gpu_memory_utilization=0.3, vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.1,
         **({} if is_grpo else scenario.get("dppo", {})),
-    )  # fmt: skip
+    )
     data = reasoning_gym_dataset("chain_sum", size=16, seed=0, answer_format="last_number", min_terms=2,
-                                 max_terms=2, min_digits=1, max_digits=2)  # fmt: skip
+                                 max_terms=2, min_digits=1, max_digits=2)
     torch.manual_seed(0)  # the LoRA A matrices' initialization
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = trainer_cls(str(ensure()), spread_reward, args=args, train_dataset=data, peft_config=lora)
-    trainer.records, trainer.audits = [], []
     counter = count_logprob_rows(trainer)
     steps = []
     trained = set(scenario.get("trained_steps", []))
@@ -110,8 +104,10 @@ def run(scenario: dict) -> None:
     params = lambda: {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}  # noqa: E731
     before = params()
     trainer.train()
-    torch.save({"records": trainer.records, "audits": trainer.audits, "steps": steps, "logs": trainer.state.log_history, "before": before,
-                "after": params(), "no_grad_rows": counter["no_grad_rows"]}, scenario["out"])  # fmt: skip
+    saved = {"records": trainer.__dict__.get("records", []), "audits": trainer.__dict__.get("audits", []),
+             "steps": steps, "logs": trainer.state.log_history, "before": before, "after": params(),
+             "no_grad_rows": counter["no_grad_rows"]}
+    torch.save(saved, scenario["out"])
 
 
 if __name__ == "__main__":

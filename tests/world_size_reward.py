@@ -3,8 +3,8 @@
 group (rank, world size, backend) to ``$DPPO_TEST_WORLD_DIR/rank<RANK>.json``, so that a test can tell how many
 processes trained; and, once per process, registers an ``atexit`` handler that writes ``atexit<RANK>`` there and
 starts a non-daemon thread that writes ``thread<RANK>`` once the main thread has finished, so that a test can
-tell that each process ran its exit handlers and joined its threads at exit. It lives outside the test files so that the launched processes can
-import it cheaply."""
+tell that each process ran its exit handlers and joined its threads at exit. It lives outside the test files so
+that the launched processes can import it cheaply."""
 
 import atexit
 import functools
@@ -29,7 +29,7 @@ def _register_exit_markers(out: Path, rank: str) -> None:
 
 
 def recording_reward(completions, **kwargs):
-    """A reward with spread (as conftest's ``random_reward``); on every call it rewrites this process's
+    """A reward with spread (as ``support.rewards.random_reward``); on every call it rewrites this process's
     ``rank<RANK>.json`` with ``{"rank", "world_size", "backend"}`` (world size 1, backend None without a
     process group)."""
     import torch.distributed as dist

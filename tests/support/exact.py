@@ -1,0 +1,37 @@
+"""Float64 stand-ins for the two places where a forward or backward pass computes in float32 whatever the model's
+dtype: TRL's fused log-prob kernel and Qwen2's RMSNorm. With both replaced (``use_float64_kernels``), a float64
+model trains in float64 end to end, so exact oracles compare to float64 rounding."""
+
+import torch
+
+
+class Float64LogProbs:
+    """Stand-in for TRL's fused log-prob kernel (which accumulates in float32): the same per-token log-probs and
+    entropies of ``hidden @ weight.T``, in the inputs' dtype, through plain autograd."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, labels, temperature, chunk_size, softcapping, logit_scale, outputs):
+        logits = hidden @ weight.T + (0 if bias is None else bias)
+        logits = logits * logit_scale
+        if softcapping is not None:
+            logits = softcapping * torch.tanh(logits / softcapping)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
+        return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy, None, None, None
+
+
+def rms_norm_in_input_dtype(self, hidden_states):
+    """Qwen2's RMSNorm without its float32 round trip (which would also round the backward pass to float32)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def use_float64_kernels(set_attribute=setattr) -> None:
+    """Replace TRL's fused log-prob kernel by ``Float64LogProbs`` and Qwen2's RMSNorm forward by
+    ``rms_norm_in_input_dtype``, through ``set_attribute`` (``setattr`` for good, as in a worker process, or
+    pytest's ``monkeypatch.setattr``, undone after the test)."""
+    import trl.trainer.utils
+    from transformers.models.qwen2 import modeling_qwen2
+
+    set_attribute(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
+    set_attribute(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_in_input_dtype)
