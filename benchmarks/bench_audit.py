@@ -16,23 +16,24 @@ of one training step without it (generation included).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import bench_reasoning  # noqa: E402
-import bench_real  # noqa: E402
+from harness import (  # noqa: E402
+    config_default,
+    countdown_setup,
+    group_advantages,
+    md_table,
+    read_json,
+    reasoning_gym_setup,
+    result_path,
+    write_json,
+)
 
 LORA_DROPOUT = 0.05  # TRL's ModelConfig default, the smollm2-chain-sum-lora recipe's
 
@@ -46,38 +47,35 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
     from dppo_trl.core.audit import compare_gradients, make_sketch
 
     class Recorded(DPPOTrainer):
-        def _record_audit(self, dppo, grpo, seconds):
+        def _record_audit(self, dppo, grpo, seconds, batch):
             records = self._audit_records()
             counted = len(records["projection"])
-            super()._record_audit(dppo, grpo, seconds)
-            entered = len(records["projection"]) > counted
-            model_error = None if self._prune_summary is None else self._prune_summary[1]
+            super()._record_audit(dppo, grpo, seconds, batch)
+            model_error = None if batch.prune_summary is None else batch.prune_summary[1]
             compared = compare_gradients(dppo, grpo) or {}  # {}: GRPO's gradient is 0
+            self._bench_audit(batch, seconds, compared, model_error, len(records["projection"]) > counted)
+
+        def _audit_generation_batch(self, batch, dppo_microbatches):
+            no_signal = self._audit_records()["no_signal"]
+            super()._audit_generation_batch(batch, dppo_microbatches)
+            if self._audit_records()["no_signal"] > no_signal:  # every score 0: counted, not compared
+                self._bench_audit(batch, batch.audit.seconds, {}, None, False)
+
+        def _bench_audit(self, batch, seconds, compared, model_error, counted):
+            records = self._audit_records()
             self.__dict__.setdefault("audits", []).append({
-                "step": self.state.global_step, "kind": self._audit_kind, "seconds": seconds,
+                "step": self.state.global_step, "kind": batch.audit.kind, "seconds": seconds,
                 "cosine": compared.get("cosine"), "rel_error": compared.get("rel_error"),
                 "projection": compared.get("projection"), "model_error": model_error,
                 "ratio": compared["rel_error"] / model_error if compared and model_error else None,
-                "counted": entered, "bias_t": records["bias_t"][-1] if entered and records["bias_t"] else None,
-                "alarm": records["alarm_at"] is not None})  # fmt: skip
+                "counted": counted, "bias_t": records["bias_t"][-1] if counted and records["bias_t"] else None,
+                "alarm": records["alarm_at"] is not None,
+            })
             self.__dict__["audit_s_this_step"] = self.__dict__.get("audit_s_this_step", 0.0) + seconds
 
-        def _audit_generation_batch(self, shuffle_rng_state):
-            no_signal = self._audit_records()["no_signal"]
-            super()._audit_generation_batch(shuffle_rng_state)
-            if self._audit_records()["no_signal"] > no_signal:  # every score 0: counted, not compared
-                self.__dict__.setdefault("audits", []).append({
-                    "step": self.state.global_step, "kind": self._audit_kind,
-                    "seconds": self._audit_reference_seconds, "cosine": None,
-                    "rel_error": None, "projection": None, "model_error": None, "ratio": None, "counted": False,
-                    "bias_t": None, "alarm": self._audit_records()["alarm_at"] is not None})  # fmt: skip
-                seconds = self.audits[-1]["seconds"]
-                self.__dict__["audit_s_this_step"] = self.__dict__.get("audit_s_this_step", 0.0) + seconds
-
-        def _draw_keep_mask(self, output, scores):
-            keep, weights, pi = super()._draw_keep_mask(output, scores)
-            self.__dict__.setdefault("kept_fractions", []).append(float(keep.float().mean()))
-            return keep, weights, pi
+        def _draw_keep_mask(self, output, batch, scores):
+            super()._draw_keep_mask(output, batch, scores)
+            self.__dict__.setdefault("kept_fractions", []).append(float(batch.keep.float().mean()))
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -97,10 +95,10 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
     args = DPPOConfig(output_dir=tempfile.mkdtemp(prefix="dppo-audit-"), report_to=[], save_strategy="no",
                       gradient_checkpointing=False, disable_tqdm=True, logging_steps=10**6, seed=seed,
                       max_steps=setup["steps"], completion_keep_rate=keep_rate, prune_sampling=design, audit_every=1,
-                      **setup["trainer_args"])  # fmt: skip
+                      **setup["trainer_args"])
     times = StepTimes()
     trainer = Recorded(setup["model_dir"], setup["reward_funcs"], args=args, train_dataset=setup["train_dataset"],
-                       callbacks=[times], **setup["trainer_kwargs"])  # fmt: skip
+                       callbacks=[times], **setup.get("trainer_kwargs", {}))
     times.trainer = trainer
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -109,7 +107,7 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
     records = trainer._audit_records()
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     sketch = trainer._audit_sketch or make_sketch(sum(p.numel() for p in params), args.audit_sketch_dim,
-                                                  args.audit_exact_params, args.seed)  # fmt: skip
+                                                  args.audit_exact_params, args.seed)
     return {
         "design": design,
         "keep_rate": keep_rate,
@@ -183,9 +181,7 @@ def simulated_batch(generator: torch.Generator, geometry: tuple, groups: int = 4
         rewards = (torch.rand(groups, group_size, **f64) < rate).double()
     else:
         rewards = torch.floor(torch.rand(groups, group_size, **f64) * 4) / 3 * (torch.rand(groups, 1, **f64) < 0.8)
-    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)
-    spread_rows = (rewards.amax(1) > rewards.amin(1)).repeat_interleave(group_size)
-    advantages = torch.where(spread_rows, ((rewards - mean) / (std + 1e-4)).flatten(), 0.0)
+    advantages = group_advantages(rewards, group_size)
     n = groups * group_size
     lengths = torch.randint(4, 40, (n,), generator=generator).double()
     group_of = torch.arange(n) // group_size
@@ -201,10 +197,10 @@ def simulated_projections(design: str, keep_rate: float, audits: int, seed: int)
     package's own design (``get_design``, default ``keep_floor``) on simulated batches of one random geometry
     (``simulated_batch``), with the trainer's rules (a batch without signal, or with every row that counts kept
     at weight 1, is not counted)."""
-    from dppo_trl.config import _DEFAULT_KEEP_FLOOR
     from dppo_trl.core.estimator import horvitz_thompson_weights
     from dppo_trl.core.pruning import PruneProblem, get_design
 
+    keep_floor = config_default("keep_floor")
     generator = torch.Generator().manual_seed(seed)
     u = torch.rand(4, generator=generator, dtype=torch.float64)
     geometry = (2 * float(u[0]), 2 * float(u[1]), float(u[2]), 3 * float(u[3]))
@@ -215,7 +211,7 @@ def simulated_projections(design: str, keep_rate: float, audits: int, seed: int)
         if not bool(counts.any()):
             continue
         problem = PruneProblem(advantages=advantages, costs=lengths, groups=groups, rewards=rewards,
-                               keep_rate=keep_rate, keep_floor=_DEFAULT_KEEP_FLOOR)  # fmt: skip
+                               keep_rate=keep_rate, keep_floor=keep_floor)
         keep, pi = get_design(design)(problem, generator)
         weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
         if bool((weights[counts] == 1).all()):
@@ -247,31 +243,29 @@ def alarm_simulation(seeds: int, looks: int, designs: list[str], keep_rate: floa
                         "seeds": seeds, "looks": looks, "alarm_within_24": sum(a <= 24 for a in fired) / seeds,
                         f"alarm_within_{looks}": len(fired) / seeds,
                         "median_alarm_at": statistics.median(fired) if fired else None,
-                        "seconds": time.perf_counter() - start})  # fmt: skip
+                        "seconds": time.perf_counter() - start})
         print(results[-1], flush=True)
     return {"threshold": BIAS_ALARM_T, "min_audits": BIAS_ALARM_MIN_AUDITS, "rows": results}
 
 
 def real_setup(a) -> dict:
     """bench_real.py's SmolLM2 + LoRA setup on chain_sum, with the recipe's LoRA dropout (TRL's default, 0.05)."""
-    from peft import LoraConfig
-
-    setup = bench_real.prepare_setup(argparse.Namespace(
+    return reasoning_gym_setup(
         task="chain_sum", answer_format="last_number", task_seed=0, train_prompts=32, heldout=1, eval_every=10**6,
         steps=a.steps, prompts_per_step=a.prompts_per_step, max_completion_length=a.max_completion_length,
-        learning_rate=2e-4, vllm=False))  # fmt: skip
-    peft_config = LoraConfig(**bench_real.LORA, lora_dropout=LORA_DROPOUT, task_type="CAUSAL_LM")
-    return dict(setup, trainer_kwargs=dict(setup["trainer_kwargs"], peft_config=peft_config))
+        learning_rate=2e-4, vllm=False, lora_dropout=LORA_DROPOUT,
+    )
 
 
-def countdown_setup(a) -> dict:
+def countdown_audit_setup(a) -> dict:
     """bench_reasoning.py's countdown setup (its warm-started 0.3M-parameter Qwen2, TRL's defaults with GA 2 <
     steps_per_generation 4), trained for ``a.steps`` optimizer steps."""
-    setup = bench_reasoning.prepare_setup(argparse.Namespace(
+    setup = countdown_setup(
         train_prompts=256, heldout=1, eval_samples=1, eval_every=10**6, epochs=None, batch_size=32,
         gradient_accumulation_steps=2, steps_per_generation=4, learning_rate=1e-4, sft_steps=300, hidden_size=128,
-        layers=2, model_cache="outputs/bench-reasoning"))  # fmt: skip
-    return dict(setup, steps=a.steps, trainer_kwargs={})
+        layers=2, model_cache="outputs/bench-reasoning",
+    )
+    return dict(setup, steps=a.steps)
 
 
 def fmt(x, spec=".3f"):
@@ -281,16 +275,15 @@ def fmt(x, spec=".3f"):
 def table(rows: list[dict]) -> str:
     header = ["design", "keep rate", "kept", "seed", "audits (counted)", "median cosine", "mean rel. error",
               "mean model error", "median measured/model", "mean projection", "final bias t", "alarm at",
-              "audit s / step s"]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for r in rows:
-        cells = [r["design"], str(r["keep_rate"]), f"{r['kept_fraction']:.3f}", str(r["seed"]),
-                 f"{r['audits']} ({r['counted']})", fmt(r["median_cosine"]), fmt(r["mean_rel_error"]),
-                 fmt(r["mean_model_error"]), fmt(r["median_noise_to_signal"], ".2f"), fmt(r["mean_projection"]),
-                 fmt(r["final_bias_t"], ".2f"), "-" if r["alarm_at"] is None else str(r["alarm_at"]),
-                 f"{fmt(r['audit_s'], '.1f')} / {fmt(r['step_s'], '.1f')}"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+              "audit s / step s"]
+    return md_table(header, [
+        [r["design"], str(r["keep_rate"]), f"{r['kept_fraction']:.3f}", str(r["seed"]),
+         f"{r['audits']} ({r['counted']})", fmt(r["median_cosine"]), fmt(r["mean_rel_error"]),
+         fmt(r["mean_model_error"]), fmt(r["median_noise_to_signal"], ".2f"), fmt(r["mean_projection"]),
+         fmt(r["final_bias_t"], ".2f"), "-" if r["alarm_at"] is None else str(r["alarm_at"]),
+         f"{fmt(r['audit_s'], '.1f')} / {fmt(r['step_s'], '.1f')}"]
+        for r in rows
+    ])
 
 
 def main(argv=None):
@@ -306,27 +299,25 @@ def main(argv=None):
                         "Qwen2; alarm: the bias alarm's false-alarm rate and topk's detection on simulated batches")
     parser.add_argument("--sim-seeds", type=int, default=500, help="--task alarm: seeded runs per design")
     parser.add_argument("--sim-looks", type=int, default=100, help="--task alarm: counted audits per run")
-    parser.add_argument("--json", default="benchmarks/results/bench_audit.json")
+    parser.add_argument("--json", default=result_path("bench_audit"))
     parser.add_argument("--from-json", nargs="+", default=None,
                         help="train nothing: summarize the runs of saved JSONs (several: runs made side by side, "
                         "merged)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (1 on a CPU shared with other jobs)")
     a = parser.parse_args(argv)
     torch.set_num_threads(a.threads)
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
 
     def save(runs, elapsed, config):
         rows = [summary(run) for run in runs]
-        Path(a.json).write_text(json.dumps({"config": config, "elapsed_s": elapsed, "rows": rows, "runs": runs},
-                                           indent=1))  # fmt: skip
+        write_json(a.json, {"config": config, "elapsed_s": elapsed, "rows": rows, "runs": runs})
         return rows
 
     if a.task == "alarm" and a.from_json:  # simulations made side by side (e.g. a slow design with fewer seeds)
-        saved = [json.loads(Path(path).read_text()) for path in a.from_json]
+        saved = [read_json(path) for path in a.from_json]
         result = dict(saved[0], rows=[row for one in saved for row in one["rows"]],
                       commands=[one["config"] for one in saved], elapsed_s=max(one["elapsed_s"] for one in saved))
         result.pop("config")
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_json(a.json, result)
         print(f"wrote {a.json}")
         return result["rows"]
     if a.task == "alarm":
@@ -334,16 +325,16 @@ def main(argv=None):
         start = time.perf_counter()
         result = {"config": vars(a), **alarm_simulation(a.sim_seeds, a.sim_looks, [d for d, _ in specs], specs[0][1])}
         result["elapsed_s"] = time.perf_counter() - start
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        write_json(a.json, result)
         print(f"wrote {a.json}")
         return result["rows"]
     if a.from_json:
-        saved = [json.loads(Path(path).read_text()) for path in a.from_json]
+        saved = [read_json(path) for path in a.from_json]
         runs = [run for one in saved for run in one["runs"]]
         elapsed = max(one["elapsed_s"] for one in saved)  # side by side: the longest
         config = dict(saved[0]["config"], runs=[f"{run['design']}@{run['keep_rate']}" for run in runs])
     else:
-        setup = real_setup(a) if a.task == "chain_sum" else countdown_setup(a)
+        setup = real_setup(a) if a.task == "chain_sum" else countdown_audit_setup(a)
         start = time.perf_counter()
         specs = [(spec.split("@")[0], float(spec.split("@")[1])) for spec in a.runs]
         runs, config = [], vars(a)

@@ -9,17 +9,13 @@ it shows what the slowest rank would carry (max / mean kept tokens per rank) and
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
+from harness import config_default, group_advantages, result_path, text_table, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dppo_trl.core.packing import balance_ranks, rank_imbalance  # noqa: E402
-from dppo_trl.core.pruning import keep_probabilities, systematic_sample  # noqa: E402
+from dppo_trl.core.packing import balance_ranks, rank_imbalance
+from dppo_trl.core.pruning import keep_probabilities, systematic_sample
 
 
 def simulated_batch(world, rows_per_rank, group, generator):
@@ -28,20 +24,19 @@ def simulated_batch(world, rows_per_rank, group, generator):
     prompts = torch.randint(30, 81, (n // group,), generator=generator).repeat_interleave(group)
     completions = torch.exp(torch.randn(n, generator=generator) * 0.8 + 4.5).round().clamp(4, 1024)
     solve_rate = torch.rand(n // group, generator=generator).repeat_interleave(group)
-    rewards = (torch.rand(n, generator=generator) < solve_rate).double().view(-1, group)
-    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
-    return (prompts + completions).long(), advantages
+    rewards = (torch.rand(n, generator=generator) < solve_rate).double()
+    return (prompts + completions).long(), group_advantages(rewards, group)
 
 
 def measure(world, keep_rate, batches, rows_per_rank=64, group=8, seed=0):
-    generator = torch.Generator().manual_seed(seed)
+    generator, floor = torch.Generator().manual_seed(seed), config_default("keep_floor")
     before, after, moved = [], [], []
     for _ in range(batches):
         lengths, advantages = simulated_batch(world, rows_per_rank, group, generator)
-        pi, _ = keep_probabilities(advantages, keep_rate, 0.05, zero_score_contributes=False)
+        pi, _ = keep_probabilities(advantages, keep_rate, floor, zero_score_contributes=False)
         keep = systematic_sample(pi, generator)
-        kept = [lengths[r * rows_per_rank : (r + 1) * rows_per_rank][keep[r * rows_per_rank : (r + 1) * rows_per_rank]]
-                .tolist() for r in range(world)]  # fmt: skip
+        ranks = [slice(r * rows_per_rank, (r + 1) * rows_per_rank) for r in range(world)]
+        kept = [lengths[rank][keep[rank]].tolist() for rank in ranks]
         plan = balance_ranks(kept)
         before.append(rank_imbalance([sum(k) for k in kept]))
         after.append(rank_imbalance([sum(kept[r][i] for r, i in rows) for rows in plan]))
@@ -66,18 +61,16 @@ def main(argv=None):
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[0.25, 0.5, 1.0])
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--rows-per-rank", type=int, default=64)
-    parser.add_argument("--json", default="benchmarks/results/bench_balance.json")
+    parser.add_argument("--json", default=result_path("bench_balance"))
     args = parser.parse_args(argv)
     rows = [measure(w, k, args.batches, args.rows_per_rank) for w in args.worlds for k in args.keep_rates]
-    print(f"{'ranks':>5}{'keep':>6}{'before med':>12}{'before p95':>12}{'after med':>11}{'after p95':>11}"
-          f"{'<=1.1':>7}{'moved':>7}")  # fmt: skip
-    for r in rows:
-        print(f"{r['world']:>5}{r['keep_rate']:>6}{r['imbalance_before_median']:>12.3f}{r['imbalance_before_p95']:>12.3f}"
-              f"{r['imbalance_after_median']:>11.3f}{r['imbalance_after_p95']:>11.3f}"
-              f"{r['within_10_percent_after']:>7.2f}{r['rows_moved_fraction']:>7.2f}")  # fmt: skip
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "results": rows}, indent=1))
+    print(text_table(rows, [
+        ("ranks", 5, "world:"), ("keep", 6, "keep_rate:"), ("before med", 12, "imbalance_before_median:.3f"),
+        ("before p95", 12, "imbalance_before_p95:.3f"), ("after med", 11, "imbalance_after_median:.3f"),
+        ("after p95", 11, "imbalance_after_p95:.3f"), ("<=1.1", 7, "within_10_percent_after:.2f"),
+        ("moved", 7, "rows_moved_fraction:.2f"),
+    ]))
+    out = write_json(args.json, {"config": vars(args), "results": rows})
     print(f"wrote {out}")
     return rows
 

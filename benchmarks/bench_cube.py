@@ -19,15 +19,11 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import config_default, group_advantages, result_path, text_table, write_json  # noqa: E402
 
 from dppo_trl.core.pruning import PruneProblem, get_design  # noqa: E402
 
@@ -38,9 +34,9 @@ def simulated_problem(rows: int, group: int, seed: int, keep_rate: float = 0.5) 
     groups = rows // group
     lengths = torch.exp(torch.randn(rows, generator=g) * 0.8 + 5.0).round().clamp(4, 1024)
     solve_rate = torch.rand(groups, generator=g).repeat_interleave(group)
-    rewards = (torch.rand(rows, generator=g) < solve_rate).double().view(groups, group)
-    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
-    return PruneProblem(advantages, lengths, torch.arange(rows) // group, rewards.flatten(), keep_rate, keep_floor=0.05)
+    rewards = (torch.rand(rows, generator=g) < solve_rate).double()
+    return PruneProblem(group_advantages(rewards, group), lengths, torch.arange(rows) // group, rewards, keep_rate,
+                        keep_floor=config_default("keep_floor"))
 
 
 def measure(design: str, rows: int, group: int, draws: int) -> dict:
@@ -56,7 +52,7 @@ def measure(design: str, rows: int, group: int, draws: int) -> dict:
         kept.append(int(keep.sum()))
     return {"design": design, "rows": rows, "groups": rows // group, "draws": draws,
             "wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
-            "expected_kept": float(pi.sum()), "kept": kept}  # fmt: skip
+            "expected_kept": float(pi.sum()), "kept": kept}
 
 
 def main(argv=None):
@@ -65,19 +61,18 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--designs", nargs="+", default=["balanced", "stratified"])
     parser.add_argument("--draws", type=int, default=5, help="draws per size (at most 2 above 16,384 rows)")
-    parser.add_argument("--json", default="benchmarks/results/bench_cube.json")
+    parser.add_argument("--json", default=result_path("bench_cube"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = [measure(d, n, args.group, args.draws if n <= 16384 else min(args.draws, 2))
-               for n in args.rows for d in args.designs]  # fmt: skip
-    print(f"{'rows':>7}{'groups':>8}  {'design':<11}{'wall (ms)':>11}{'cpu (ms)':>10}{'ms / 1k rows':>14}")
-    for r in results:
-        print(f"{r['rows']:>7}{r['groups']:>8}  {r['design']:<11}{1e3 * r['wall_s']:>11.1f}{1e3 * r['cpu_s']:>10.1f}"
-              f"{1e6 * r['cpu_s'] / r['rows']:>14.2f}")  # fmt: skip
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
+               for n in args.rows for d in args.designs]
+    print(text_table(results, [
+        ("rows", 7, "rows:"), ("groups", 8, "groups:"), ("  design", -13, lambda r: "  " + r["design"]),
+        ("wall (ms)", 11, lambda r: f"{1e3 * r['wall_s']:.1f}"), ("cpu (ms)", 10, lambda r: f"{1e3 * r['cpu_s']:.1f}"),
+        ("ms / 1k rows", 14, lambda r: f"{1e6 * r['cpu_s'] / r['rows']:.2f}"),
+    ]))
     config = {**vars(args), "threads": torch.get_num_threads(), "torch": torch.__version__}
-    out.write_text(json.dumps({"config": config, "results": results}, indent=1))
+    out = write_json(args.json, {"config": config, "results": results})
     print(f"wrote {out}")
     return results
 

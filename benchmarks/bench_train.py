@@ -11,20 +11,16 @@ variants interleaved in every round (these machines are shared and noisy), media
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import group_advantages, result_path, text_table, write_json  # noqa: E402
 
 
 def recorded_batch(trainer, prompts=8, generations=8, seed=0, max_completion=256):
@@ -43,9 +39,7 @@ def recorded_batch(trainer, prompts=8, generations=8, seed=0, max_completion=256
     completion_mask = (torch.arange(completion_width)[None] < completion_lengths[:, None]).long()
     completion_ids[completion_mask == 0] = pad
     solve_rate = torch.tensor([0.0, 1.0, 0.5, 0.25, 0.75, 0.0, 0.6, 0.4])[:prompts].repeat_interleave(generations)
-    rewards = (torch.rand(n, generator=g) < solve_rate).float()
-    grouped = rewards.view(prompts, generations)
-    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+    advantages = group_advantages((torch.rand(n, generator=g) < solve_rate).float(), generations)
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
@@ -93,6 +87,7 @@ def training_phase(trainer, batch, kind):
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
     from dppo_trl.core.packing import packed_allocation, plan_forward_calls
+    from dppo_trl.hooks.generation_batch import GenerationBatch
 
     batch = {k: v.clone() for k, v in batch.items()}
     spg = trainer.args.steps_per_generation
@@ -108,12 +103,15 @@ def training_phase(trainer, batch, kind):
         microbatches = split_tensor_dict(shuffle_sequence_dict(batch), spg)
         real, allocated = 2 * float(lengths.sum()), 2 * float(ids.numel())
     else:
+        # The trainer's passes after scoring (DPPOTrainer._generate_and_score_completions), on the recorded batch.
         batch["ref_per_token_logps"] = torch.zeros(ids.size(0), width)
-        keep, weights, _ = trainer._draw_keep_mask(batch, batch["advantages"].abs())
-        trainer._run_deferred_logps(batch, [trainer.ref_model], keep)
-        batch["dppo_keep"], batch["dppo_weight"] = keep, weights.float()
-        batch.update(trainer._trl_split_of_rows(batch))
-        microbatches = trainer._kept_microbatches(shuffle_sequence_dict(batch))
+        decided = GenerationBatch(deferred_calls=[trainer.ref_model])
+        trainer._draw_keep_mask(batch, decided, batch["advantages"].abs())
+        keep = decided.keep
+        batch["dppo_keep"], batch["dppo_weight"] = keep, decided.weights.float()
+        batch.update(trainer._trl_split_of_rows(batch, decided))
+        trainer._run_deferred_logps(batch, decided)
+        microbatches = trainer._kept_microbatches(shuffle_sequence_dict(batch), decided)
         kept_real = float(lengths[keep].sum())
         real = 2 * kept_real
         if kind == "dppo+packing":
@@ -141,7 +139,7 @@ def main(argv=None):
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--max-packed-tokens", type=int, default=None, help="DPPOConfig.max_packed_tokens")
-    parser.add_argument("--json", default="benchmarks/results/bench_train.json")
+    parser.add_argument("--json", default=result_path("bench_train"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -189,20 +187,17 @@ def main(argv=None):
                 "seconds": times[kind],
             }
         )
-    print(f"{'variant':<14}{'real tok':>10}{'alloc tok':>11}{'density':>9}{'median s':>10}{'ratio':>8}{'ideal':>8}")
-    for r in rows:
-        print(
-            f"{r['variant']:<14}{r['real_tokens']:>10.0f}{r['allocated_tokens']:>11.0f}{r['token_density']:>9.3f}"
-            f"{r['median_seconds']:>10.3f}{r['time_ratio_to_grpo']:>8.3f}{r['ideal_ratio']:>8.3f}"
-        )
+    print(text_table(rows, [
+        ("variant", -14, "variant:"), ("real tok", 10, "real_tokens:.0f"), ("alloc tok", 11, "allocated_tokens:.0f"),
+        ("density", 9, "token_density:.3f"), ("median s", 10, "median_seconds:.3f"),
+        ("ratio", 8, "time_ratio_to_grpo:.3f"), ("ideal", 8, "ideal_ratio:.3f"),
+    ]))
     packed = rows[-1]
     print(
         f"dppo+packing: {packed['time_ratio_to_grpo'] / packed['ideal_ratio']:.2f}x the ideal ratio "
         f"(target <= 1.10), token density {packed['token_density']:.3f} (target >= 0.98)"
     )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "trainer_args": trainer_args, "results": rows}, indent=2))
+    out = write_json(args.json, {"config": vars(args), "trainer_args": trainer_args, "results": rows}, indent=2)
     print(f"wrote {out}")
     return rows
 

@@ -1,69 +1,47 @@
 """Gradient efficiency per unit of compute: how close each pruning design's gradient estimate comes to the
-population gradient, for the tokens its log-prob and loss passes allocate.
+population gradient, for the tokens its log-prob and loss passes allocate (docs/benchmarks.md, "Gradient error per
+unit of compute", states the protocol and reads the results).
 
-Checkpoints of a countdown model (`dppo_trl.tasks.countdown`, a char-level Qwen2 warm-started with 300, 400, 550
-supervised steps, each built on the previous one) stand in for stages of training: what matters is their mix of
-zero-variance groups and completion lengths. Per checkpoint, a pool of ``--batches`` (12) generation batches of
-``--prompts`` (8) training prompts x ``G`` (8) completions sampled at temperature 1, exact-chain reward, TRL's
-group advantages ``(r - mean) / (std + 1e-4)``; plus one more independent group per prompt whose mean |A| is the
-prompt's history score and whose mean completion tokens its loss-token history (prompt pruning). For every row,
-``h_n = grad sum_t log p(token t | prefix)`` over its completion tokens in float64 (12 x 64 = 768 rows x ~310k
-parameters per checkpoint). The policy term of TRL's loss with ``beta=0``, on policy, is ``g_n = c_n h_n`` with
-``c_n = -A_n / T_b`` (``dapo``: ``T_b`` the batch's completion tokens) or ``-A_n / (L_n N_b)`` (``grpo``:
-per-sequence mean over ``N_b`` rows).
+Checkpoints of a countdown model (`dppo_trl.tasks.countdown`, a char-level Qwen2 after 300, 400, 550 supervised
+steps, each built on the previous one) stand in for stages of training. Per checkpoint, a pool of ``--batches``
+generation batches of ``--prompts`` prompts x ``--group-size`` completions (temperature 1, exact-chain reward,
+TRL's group advantages), plus one more independent group per prompt: its mean |A| and mean completion tokens are the
+prompt's history (prompt pruning). Per row, ``h_n = grad sum_t log p(token t | prefix)`` in float64; the policy term
+of TRL's loss (``beta=0``, on policy) is ``g_n = c_n h_n``, ``c_n = -A_n / T_b`` (``dapo``) or ``-A_n / (L_n N_b)``
+(``grpo``).
 
-Designs (``--designs``, default ``DESIGNS``): ``<design>[+tokens][+g<gamma>]@<rate>`` draws the package's
-registered unbiased design ``<design>`` (``pruning.unbiased_designs()``: ``systematic``, ``poisson``,
-``stratified``, ...) through ``pruning.get_design`` on the trainer's ``PruneProblem`` of the batch, at
-``completion_keep_rate=<rate>``; ``+tokens`` is ``keep_budget="tokens"`` (``<rate>`` of the batch's tokens),
-``+g<gamma>`` is ``score_length_exponent=gamma`` (scores ``|A| L^gamma``), ``+e<target>`` is
-``adaptive_keep_error=target`` (each batch's rate the smallest from ``<rate>`` up whose estimated pruning error is at
-most ``target``). So a newly registered design is measured
-with no code here (by default too: ``<name>@0.5`` joins ``DESIGNS`` for each registered unbiased design it does
-not name); a ``DESIGNS`` entry whose design is not registered is skipped with a warning. The registered biased
-designs (``topk@<rate>``, ``zero_variance``) go through ``get_design`` too. Custom: ``grpo`` (the batch, TRL's
-padded passes), ``packing`` (every row, DPPO's packed passes), ``prompt@<rate>`` (prompt pruning alone),
-``dppo+prompt@<rate>`` (prompt pruning, then ``systematic`` over the accepted rows' ``PruneProblem``),
-``prompt+exact_lengths@<rate>`` (``prompt@`` with an exact length history: ``dapo``'s ``D_b = T_b``) and
-``oracle[+tokens][+g<gamma>]@<rate>`` (below). One ``PruneProblem`` per batch and variant (rate, ``+tokens``,
-``+g``) serves every design and draw of that variant, so its keep probabilities are solved once (it memoizes them).
+Designs (``--designs``, default ``default_designs()``): ``<design>[+tokens][+g<gamma>][+e<target>]@<rate>`` draws
+the package's registered unbiased design ``<design>`` (``pruning.unbiased_designs()``) through ``pruning.get_design``
+on the trainer's ``PruneProblem`` of the batch at ``completion_keep_rate=<rate>``; ``+tokens`` is
+``keep_budget="tokens"``, ``+g<gamma>`` ``score_length_exponent=gamma``, ``+e<target>`` ``adaptive_keep_error=target``.
+A newly registered design is measured with no code here (``<name>@0.5`` joins the defaults); a ``DESIGNS`` entry not
+registered is skipped with a warning. The registered biased designs (``topk[@<rate>]``, ``zero_variance``) go through
+``get_design`` too. Custom: ``grpo`` (the batch, TRL's padded passes), ``packing`` (every row, DPPO's packed passes),
+``prompt@<rate>`` (prompt pruning alone), ``dppo+prompt@<rate>`` (then ``systematic`` over the accepted rows),
+``prompt+exact_lengths@<rate>`` (``dapo``'s ``D_b = T_b``: an exact length history) and
+``oracle[+tokens][+g<gamma>]@<rate>`` (keep probabilities proportional to ``||g_n|| / sqrt(cost_n)`` at the expected
+tokens of ``systematic`` with the same options: the optimum of the family, the limit to compare with). One
+``PruneProblem`` per batch and variant serves every design and draw of it (its keep probabilities solved once).
 
-Every design estimates batch b's gradient as ``sum_n w_n g_n`` (the full-batch normalizer stays, as in DPPO's
-trainer). Its squared error to the population gradient (the pool mean, ``u = 1/B`` on every row) is the
-quadratic form ``e^T G e`` of ``e = w - u`` on the Gram ``G = diag(c) h h^T diag(c)``: only the diagonal blocks
-of ``G`` and the products with the batches' gradients are needed, so the full Gram is never formed. Averaged over
-batches and ``--prune-seeds`` (200) draws: ``mse``, ``mse_to_batch`` (the pruning noise alone), ``bias`` (norm of
-the seed-mean error to the batch gradient over its norm; an unbiased design shows only the noise level
-``bias_noise`` ~ 1/sqrt(seeds)), and ``compute`` (tokens allocated per batch by ONE log-prob or loss pass:
-TRL's padded batch for ``grpo``, the packed micro-batches of DPPO's trainer otherwise; generation is not
-counted). ``efficiency = (mse x compute)_grpo / (mse x compute)_design``; ``oracle@0.5`` (keep probabilities
-proportional to ``||g_n|| / sqrt(cost_n)`` at the expected tokens of ``systematic@0.5``; with ``+tokens`` or
-``+g``, of ``systematic`` with them) is the optimum of the family at that budget (exactly so for independent
-sampling), the limit to compare with.
+A design estimates batch b's gradient as ``sum_n w_n g_n`` (the full-batch normalizer stays, as in the trainer); its
+squared error to the population gradient (the pool mean) is a quadratic form on the Gram ``diag(c) h h^T diag(c)``,
+of which only the diagonal blocks and the products with the batches' gradients are formed (``Quadratics``). Averaged
+over batches and ``--prune-seeds`` draws (seeded by ``dppo_trl.core.seeds.named_seed``): ``mse``, ``mse_to_batch``
+(the pruning noise alone), ``bias`` (the seed-mean error to the batch gradient over its norm; ``bias_noise`` what
+the seeds alone give an unbiased design), ``compute`` (tokens ONE log-prob or loss pass allocates: TRL's padded batch
+for ``grpo``, DPPO's packed micro-batches otherwise), ``efficiency = (mse x compute)_grpo / (mse x compute)_design``;
+and the balance of the draws: ``kept_rows_sd`` and ``kept_tokens_rel_sd`` (spread over the seeds of the kept rows
+and of their tokens over its mean) and ``group_imbalance`` (how far each group's weighted advantages stray
+from their total, over the batch's total |A|).
 
-Balance of the draws (what a balanced design should shrink), each a mean over batches: ``kept_rows_sd``, the
-standard deviation over the seeds of the number of kept rows (0 for a fixed-size design: ``grpo``, ``topk``;
-at most about 0.5 for ``systematic``, whose count is the floor or ceiling of ``sum pi``); ``kept_tokens_rel_sd``,
-the standard deviation over the seeds of the kept tokens (prompt + completion of the kept rows) over their mean,
-the spread of the passes' work; ``group_imbalance``, the mean over the draws of
-``sum_g |sum_{n in g} w_n A_n - sum_{n in g} A_n| / sum_n |A_n|`` (``w`` the estimate's weights, 1 / pi on the
-kept rows; 0 for ``grpo``, and 0 on a batch whose advantages are all 0): how far the weighted advantages of each
-group stray from their total (0 for a group with spread), relative to the batch's total |A|. Prompt pruning alone
-weights each group evenly, so its ``group_imbalance`` is 0 whatever prompts it drops; its row counts vary the most.
-
-Caveats. The batch gradients are mostly noise here (GRPO's relative error to the pool mean is above 1), so the
-MSE to the pool mean rewards shrinkage: a biased design that shrinks the estimate (``topk``) can show less MSE
-than the full batch. ``prompt@`` draws each candidate prompt of a batch independently (about half accepted).
-Under ``dapo`` it divides, as the trainer does, by a token count fixed before the acceptance draw: the candidates'
-expected loss tokens from their history group, ``D_b = G x sum_j`` (the history group's mean completion tokens),
-the trainer's per-epoch ``D`` at the scale of one candidate batch. Its expected estimate is then ``N_b / D_b``:
-its ``bias`` column is the length estimate's error ``|T_b / D_b - 1|`` (a common scale of the batch gradient, from
-one independent group per prompt), not a ratio estimator's; ``prompt+exact_lengths@`` takes ``D_b = T_b`` (what
-an exact history would give), so its bias column shows the estimate's own bias, at the noise level.
+Caveats. The batch gradients are mostly noise here (GRPO's relative error to the pool mean is above 1), so the MSE
+to the pool mean rewards shrinkage: a biased design that shrinks the estimate (``topk``) can show less MSE than the
+full batch. Under ``dapo``, ``prompt@`` divides, as the trainer does, by a token count fixed before the acceptance
+draw (``prompt_token_normalizer``): its expected estimate is ``N_b / D_b``, so its ``bias`` is the length history's
+error ``|T_b / D_b - 1|``; ``prompt+exact_lengths@`` shows the estimate's own bias, at the noise level.
 
 About 7.5 minutes here single-threaded from scratch (4 of them the supervised warm start, cached under
-``--model-cache``; about 3 minutes once cached): per checkpoint ~25 s generation, ~20 s gradients, ~20 s
-estimators; the two ``balanced`` designs' cube walks (~11 ms a draw of 64 rows) add about 2.5 minutes (estimated).
+``--model-cache``; about 3 once cached), the two ``balanced`` designs' cube walks about 2.5 more.
 
     python benchmarks/bench_variance.py                          # writes benchmarks/results/bench_variance.json
     python benchmarks/bench_variance.py --checkpoints 300 --batches 4 --prune-seeds 50 --json /tmp/v.json
@@ -77,14 +55,12 @@ import argparse
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import random
 import statistics
 import sys
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +68,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from harness import config_default, group_advantages, read_json, result_path, text_table, write_json  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dppo_trl.config import _DEFAULT_KEEP_FLOOR, _DEFAULT_PROMPT_KEEP_FLOOR  # noqa: E402
 from dppo_trl.core.estimator import horvitz_thompson_weights  # noqa: E402
 from dppo_trl.core.packing import assign_microbatches, default_packed_tokens, packed_allocation  # noqa: E402
 from dppo_trl.core.prompts import prompt_acceptance_probabilities  # noqa: E402
@@ -108,25 +82,24 @@ from dppo_trl.core.pruning import (  # noqa: E402
     unbiased_designs,
     zero_spread_rows,
 )
+from dppo_trl.core.seeds import named_seed  # noqa: E402
 
 # <design>[+tokens][+g<gamma>]@r (see parse_design); +tokens@0.4 spends about what @0.5 does in rows.
-DESIGNS = ("grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5",
-           "stratified@0.5", "balanced@0.5", "systematic+g-0.5@0.5", "stratified+g-0.5@0.5", "systematic+g0.5@0.5",
-           "systematic+tokens@0.4", "stratified+tokens@0.4", "balanced+tokens@0.4", "systematic+tokens+g0.25@0.4",
-           "systematic+tokens+g-0.5@0.4", "stratified+tokens+g-0.5@0.4", "stratified+e0.3@0.25",
-           "stratified+e0.5@0.25", "topk@0.5", "zero_variance", "prompt@0.5",
-           "dppo+prompt@0.5", "prompt+exact_lengths@0.5", "oracle@0.5")  # fmt: skip
-# The designs implemented here, not registered in the package: whether each takes @<rate>.
+DESIGNS = (
+    "grpo", "packing", "systematic@0.75", "systematic@0.5", "systematic@0.25", "poisson@0.5", "stratified@0.5",
+    "balanced@0.5", "systematic+g-0.5@0.5", "stratified+g-0.5@0.5", "systematic+g0.5@0.5", "systematic+tokens@0.4",
+    "stratified+tokens@0.4", "balanced+tokens@0.4", "systematic+tokens+g0.25@0.4", "systematic+tokens+g-0.5@0.4",
+    "stratified+tokens+g-0.5@0.4", "stratified+e0.3@0.25", "stratified+e0.5@0.25", "topk@0.5", "zero_variance",
+    "prompt@0.5", "dppo+prompt@0.5", "prompt+exact_lengths@0.5", "oracle@0.5",
+)
+# The designs implemented here, not registered in the package: whether each takes (then needs) @<rate>.
 CUSTOM_DESIGNS = {"grpo": False, "packing": False, "prompt": True, "dppo+prompt": True, "prompt+exact_lengths": True,
-                  "oracle": True}  # fmt: skip
+                  "oracle": True}
 PROMPT_DESIGNS = ("prompt", "dppo+prompt", "prompt+exact_lengths")
+MODIFIERS = "[+tokens][+g<gamma>][+e<target>]"
 LOSS_TYPES = ("dapo", "grpo")
 STEPS_PER_GENERATION, PER_DEVICE_ROWS = 4, 16  # DPPO trainer's micro-batching of one generation batch
-
-
-def stable_seed(*parts) -> int:
-    """A seed fixed by ``parts`` (the same in every run and process, unlike ``hash``)."""
-    return zlib.crc32("/".join(map(str, parts)).encode())
+KEEP_FLOOR, PROMPT_KEEP_FLOOR = config_default("keep_floor"), config_default("prompt_keep_floor")
 
 
 @dataclass(frozen=True)
@@ -149,10 +122,9 @@ class DesignSpec:
 def design_grammar() -> str:
     """The valid design names, in words (for error messages)."""
     biased = [f"{name}[@<rate>]" for name in sampling_designs() if name not in unbiased_designs()]
-    return (f"grpo, packing, prompt@<rate>, dppo+prompt@<rate>, prompt+exact_lengths@<rate>, "
-            f"oracle[+tokens][+g<gamma>][+e<target>]@<rate>, "
-            f"{', '.join(biased)} or <design>[+tokens][+g<gamma>][+e<target>]@<rate> with <design> one of "
-            f"{list(unbiased_designs())}, 0 < rate <= 1")  # fmt: skip
+    return (f"grpo, packing, prompt@<rate>, dppo+prompt@<rate>, prompt+exact_lengths@<rate>, oracle{MODIFIERS}@<rate>, "
+            f"{', '.join(biased)} or <design>{MODIFIERS}@<rate> with <design> one of {list(unbiased_designs())}, "
+            "0 < rate <= 1")
 
 
 def _number(text: str) -> float | None:
@@ -163,34 +135,27 @@ def _number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _modifiers(mods: list[str]) -> tuple[dict, str]:
-    """``+tokens``, ``+g<gamma>``, ``+e<target>`` (each at most once) -> DesignSpec fields, or ``({}, why)``."""
-    fields = {}
-    for mod in mods:
-        value = _number(mod[1:]) if mod[:1] in ("g", "e") else None
-        name = {"tokens": "tokens"}.get(mod) or {"g": "gamma", "e": "error"}.get(mod[:1]) if mod else None
-        if name is None or name in fields or (name != "tokens" and value is None) or (name == "error" and value <= 0):
-            return {}, f"{'+'.join(mods)!r} is not [+tokens][+g<gamma>][+e<target> > 0]"
-        fields[name] = True if name == "tokens" else value
-    return fields, ""
-
-
 def _parse(design: str) -> tuple[DesignSpec | None, str]:
-    """``(spec, "")``, or ``(None, why design is invalid)``."""
+    """``(spec, "")``, or ``(None, why design is invalid)``. The base is a ``CUSTOM_DESIGNS`` name or a design of the
+    package's registry (``sampling_designs()``); modifiers (each at most once) only on an unbiased one."""
     head, at, rate_text = design.partition("@")
     base, *mods = [head] if head in CUSTOM_DESIGNS else head.split("+")
-    fields, why = _modifiers(mods)
-    rate = _number(rate_text) if at else None
-    unbiased = base in unbiased_designs() or base == "oracle"
     if base not in CUSTOM_DESIGNS and base not in sampling_designs():
         return None, f"{base!r} is not a registered sampling design"
-    if why or (mods and not unbiased):
-        return None, why or f"{'+'.join(mods)!r}: modifiers need an unbiased design"
+    unbiased = base == "oracle" or base in unbiased_designs()
+    fields = {}
+    for mod in mods:
+        name = "tokens" if mod == "tokens" else {"g": "gamma", "e": "error"}.get(mod[:1])
+        value = True if name == "tokens" else _number(mod[1:])
+        if not unbiased or name in (None, *fields) or value is None or (name == "error" and value <= 0):
+            return None, f"+{'+'.join(mods)} is not {MODIFIERS} (<target> > 0) on an unbiased design"
+        fields[name] = value
+    rate = _number(rate_text) if at else None
     if at and not CUSTOM_DESIGNS.get(base, True):
         return None, f"{base} takes no @<rate>"
     if at and (rate is None or not 0.0 < rate <= 1.0):
         return None, f"@{rate_text} is not a keep rate in (0, 1]"
-    if not at and (unbiased or CUSTOM_DESIGNS.get(base, False)):
+    if not at and CUSTOM_DESIGNS.get(base, unbiased):  # a registered biased design's rate is optional
         return None, f"{base} needs @<rate>"
     return DesignSpec(base, rate, **fields), ""
 
@@ -256,14 +221,6 @@ class Batch:
     def cost(self) -> torch.Tensor:
         """Tokens of each row's sequence (prompt + completion), float64."""
         return (self.prompt_tokens + self.completion_tokens).double()
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """TRL's ``scale_rewards="group"``: ``(r - mean) / (std + 1e-4)`` per group (unbiased std), float64;
-    exactly 0 on a group whose rewards are all equal."""
-    groups = rewards.double().view(-1, group_size)
-    a = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
-    return torch.where(zero_spread_rows(rewards, group_size), 0.0, a)
 
 
 def loss_coefficients(loss_type: str, batch: Batch) -> torch.Tensor:
@@ -332,7 +289,7 @@ def oracle_probabilities(norms: torch.Tensor, cost: torch.Tensor, budget: float)
 def prompt_acceptance(batch: Batch, keep_rate: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted rows, per-row prompt weight ``1/q_j`` on them, 0 elsewhere)."""
     seen = torch.ones_like(batch.history, dtype=torch.bool)
-    q = prompt_acceptance_probabilities(batch.history, seen, keep_rate, _DEFAULT_PROMPT_KEEP_FLOOR)
+    q = prompt_acceptance_probabilities(batch.history, seen, keep_rate, PROMPT_KEEP_FLOOR)
     accepted = torch.rand(q.numel(), generator=generator, dtype=torch.float64) < q
     rows = accepted.repeat_interleave(batch.group_size)
     return rows, torch.where(rows, 1.0 / q.repeat_interleave(batch.group_size), 0.0)
@@ -361,7 +318,7 @@ def batch_problem(batch: Batch, spec: DesignSpec, rows: torch.Tensor | None = No
         groups=torch.arange(int(rows.sum())) // batch.group_size,
         rewards=batch.rewards[rows],
         keep_rate=1.0 if spec.rate is None else spec.rate,
-        keep_floor=_DEFAULT_KEEP_FLOOR,
+        keep_floor=KEEP_FLOOR,
         zero_score_contributes=False,
         contributes_nothing=batch.completion_tokens[rows] == 0,
         budget_in_tokens=spec.tokens,
@@ -395,8 +352,9 @@ def oracle_keep_probabilities(spec: DesignSpec, batch: Batch, norms: torch.Tenso
     return oracle_probabilities(norms, batch.cost, float((pi * batch.cost).sum()))
 
 
-def draw_design(design: str, batch: Batch, generator: torch.Generator, problems: dict | None = None,
-                pi: torch.Tensor | None = None) -> Draw:  # fmt: skip
+def draw_design(
+    design: str, batch: Batch, generator: torch.Generator, problems: dict | None = None, pi: torch.Tensor | None = None
+) -> Draw:
     """One draw of ``design`` (``parse_design``). ``problems``: ``batch``'s ``PruneProblem`` cache
     (``cached_problem``), to share across draws; ``pi``: ``oracle``'s keep probabilities."""
     spec = parse_design(design)
@@ -532,15 +490,19 @@ def balance_statistics(draws: list[list[Draw]], weights: list[torch.Tensor], bat
         mean = float(tokens.mean())
         tokens_sd.append(float(tokens.std(correction=0)) / mean if mean > 0 else 0.0)
         imbalance.append(float(group_imbalance(w, batch).mean()))
-    return {"kept_rows_sd": statistics.mean(rows_sd), "kept_tokens_rel_sd": statistics.mean(tokens_sd),
-            "group_imbalance": statistics.mean(imbalance)}  # fmt: skip
+    return {
+        "kept_rows_sd": statistics.mean(rows_sd),
+        "kept_tokens_rel_sd": statistics.mean(tokens_sd),
+        "group_imbalance": statistics.mean(imbalance),
+    }
 
 
 def batch_draws(design: str, batch: Batch, problems: dict, seeds: int, seed_key, norms: torch.Tensor) -> list[Draw]:
     """``seeds`` draws of ``design`` on one batch, seeded by ``seed_key`` and the seed, sharing ``problems``."""
     spec = parse_design(design)
     pi = oracle_keep_probabilities(spec, batch, norms, problems) if spec.base == "oracle" else None
-    gens = (torch.Generator().manual_seed(stable_seed(*seed_key, s)) for s in range(seeds))
+    name = "/".join(map(str, seed_key))
+    gens = (torch.Generator().manual_seed(named_seed(0, name, s)) for s in range(seeds))
     return [draw_design(design, batch, g, problems, pi) for g in gens]
 
 
@@ -556,12 +518,12 @@ def evaluate_designs(batches: list[Batch], quadratics: dict, designs, seeds: int
             key = (design, loss_type) if spec.base == "oracle" else design
             if key not in cache:
                 cache[key] = [batch_draws(design, batch, problems[b], seeds, (*key, b), q.norms[b])
-                              for b, batch in enumerate(batches)]  # fmt: skip
+                              for b, batch in enumerate(batches)]
             weights = [torch.stack([effective_weights(d, batch, loss_type) for d in row])
-                       for row, batch in zip(cache[key], batches)]  # fmt: skip
+                       for row, batch in zip(cache[key], batches)]
             stats = design_statistics(cache[key], weights, q)
             rows.append({"checkpoint": label, "loss_type": loss_type, "design": design, "keep_rate": spec.rate,
-                         **stats, **balance_statistics(cache[key], weights, batches)})  # fmt: skip
+                         **stats, **balance_statistics(cache[key], weights, batches)})
     return add_ratios(rows)
 
 
@@ -584,7 +546,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (loss type, design): the mean over checkpoints of every figure."""
     keys = ("kept_fraction", "compute_ratio", "mse_ratio", "relative_error", "bias", "bias_noise", "efficiency",
-            "efficiency_to_oracle", "kept_rows_sd", "kept_tokens_rel_sd", "group_imbalance")  # fmt: skip
+            "efficiency_to_oracle", "kept_rows_sd", "kept_tokens_rel_sd", "group_imbalance")
     out = []
     for loss_type in dict.fromkeys(r["loss_type"] for r in rows):
         for design in dict.fromkeys(r["design"] for r in rows):
@@ -598,16 +560,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 def print_table(rows: list[dict], title: str) -> None:
     width = max([17] + [len(r["design"]) + 1 for r in rows])
     print(f"\n{title}")
-    print(f"{'design':<{width}}{'kept':>6}{'compute':>9}{'rel.err':>9}{'mse':>8}{'bias':>8}{'noise':>8}"
-          f"{'effic.':>8}{'/oracle':>8}{'rows':>7}{'tokens':>8}{'group':>8}")  # fmt: skip
-    print(f"{'':<{width}}{'':>6}{'/GRPO':>9}{'':>9}{'/GRPO':>8}{'':>8}{'':>8}{'':>8}{'':>8}{'sd':>7}{'rel.sd':>8}"
-          f"{'imbal.':>8}")  # fmt: skip
-    for r in rows:
-        to_oracle = r["efficiency_to_oracle"]
-        print(f"{r['design']:<{width}}{r['kept_fraction']:>6.3f}{r['compute_ratio']:>9.3f}"
-              f"{r['relative_error']:>9.3f}{r['mse_ratio']:>8.3f}{r['bias']:>8.4f}{r['bias_noise']:>8.4f}"
-              f"{r['efficiency']:>8.3f}{to_oracle if to_oracle is not None else math.nan:>8.3f}"
-              f"{r['kept_rows_sd']:>7.3f}{r['kept_tokens_rel_sd']:>8.4f}{r['group_imbalance']:>8.4f}")  # fmt: skip
+    print(text_table(rows, [
+        ("design", -width, "design:"), ("kept", 6, "kept_fraction:.3f"), ("compute\n/GRPO", 9, "compute_ratio:.3f"),
+        ("rel.err", 9, "relative_error:.3f"), ("mse\n/GRPO", 8, "mse_ratio:.3f"), ("bias", 8, "bias:.4f"),
+        ("noise", 8, "bias_noise:.4f"), ("effic.", 8, "efficiency:.3f"), ("/oracle", 8, "efficiency_to_oracle:.3f"),
+        ("rows\nsd", 7, "kept_rows_sd:.3f"), ("tokens\nrel.sd", 8, "kept_tokens_rel_sd:.4f"),
+        ("group\nimbal.", 8, "group_imbalance:.4f"),
+    ]))
 
 
 # ---------------------------------------------------------------------------------------- model-dependent
@@ -627,7 +586,7 @@ def build_checkpoints(args, heldout: list[int]) -> list[dict]:
         chain.append(steps)
         directory = Path(args.model_cache) / f"sft-{steps}{size}"
         info_file = directory / "bench_variance_sft.json"
-        info = json.loads(info_file.read_text()) if info_file.exists() else None
+        info = read_json(info_file) if info_file.exists() else None
         if info is None or info.get("chain") != chain or info.get("seed") != args.seed:
             start = time.perf_counter()
             if previous is None:
@@ -648,9 +607,9 @@ def build_checkpoints(args, heldout: list[int]) -> list[dict]:
                 tokenizer.save_pretrained(directory)
                 info = {"loss": loss, "heldout_accuracy": heldout_accuracy(model, tokenizer, heldout)}
             info.update(chain=list(chain), seed=args.seed, seconds=time.perf_counter() - start)
-            info_file.write_text(json.dumps(info, indent=1))
+            write_json(info_file, info)
             print(f"sft-{steps}: built in {info['seconds']:.0f} s, loss {info['loss']:.3f}, greedy held-out "
-                  f"{info['heldout_accuracy']:.3f}", flush=True)  # fmt: skip
+                  f"{info['heldout_accuracy']:.3f}", flush=True)
         infos.append({"steps": steps, "model_dir": str(directory), **info})
         previous = directory
     return infos
@@ -668,7 +627,7 @@ def generate_groups(model, tokenizer, starts: list[int], group_size: int, copies
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=None,
-                         max_new_tokens=max_completion_tokens())  # fmt: skip
+                         max_new_tokens=max_completion_tokens())
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     rows = []
@@ -730,8 +689,8 @@ def checkpoint_pool(info: dict, prompt_batches: list[list[int]], args) -> tuple[
     start = time.perf_counter()
     batches, rows = [], []
     for b, starts in enumerate(prompt_batches):
-        batch, batch_rows = sample_batch(model, tokenizer, starts, args.group_size,
-                                         stable_seed("generate", args.seed, info["steps"], b))  # fmt: skip
+        seed = named_seed(args.seed, f"generate/{info['steps']}", b)
+        batch, batch_rows = sample_batch(model, tokenizer, starts, args.group_size, seed)
         batches.append(batch)
         rows += batch_rows
     generation_s = time.perf_counter() - start
@@ -753,7 +712,7 @@ def checkpoint_pool(info: dict, prompt_batches: list[list[int]], args) -> tuple[
             "median": statistics.median(lengths),
             "mean": statistics.mean(lengths),
             "max": max(lengths),
-        },  # fmt: skip
+        },
         "generation_s": generation_s,
         "gradient_s": gradient_s,
     }
@@ -767,18 +726,18 @@ def run_checkpoint(info: dict, prompt_batches: list[list[int]], args) -> tuple[l
     print(f"\n[sft-{info['steps']}] zero-variance groups {description['zero_variance_share']:.1%}, completion "
           f"tokens {c['min']}..{c['max']} (median {c['median']:g}), sampled accuracy "
           f"{description['pool_accuracy']:.3f}; generation {description['generation_s']:.0f} s, gradients "
-          f"{description['gradient_s']:.0f} s ({h.size(0)} rows x {h.size(1)} params)", flush=True)  # fmt: skip
+          f"{description['gradient_s']:.0f} s ({h.size(0)} rows x {h.size(1)} params)", flush=True)
     start = time.perf_counter()
     n = args.prompts * args.group_size
     quadratics = {lt: batch_quadratics(h, torch.cat([loss_coefficients(lt, b) for b in batches]), n)
-                  for lt in args.loss_types}  # fmt: skip
+                  for lt in args.loss_types}
     del h
     rows = evaluate_designs(batches, quadratics, args.designs, args.prune_seeds, label=info["steps"])
     description["estimator_s"] = time.perf_counter() - start
     for loss_type in args.loss_types:
         print_table([r for r in rows if r["loss_type"] == loss_type],
                     f"sft-{info['steps']}, loss_type={loss_type} ({args.batches} batches x {n} rows, "
-                    f"{args.prune_seeds} prune seeds; estimators {description['estimator_s']:.0f} s)")  # fmt: skip
+                    f"{args.prune_seeds} prune seeds; estimators {description['estimator_s']:.0f} s)")
     return rows, description
 
 
@@ -794,7 +753,7 @@ def merge_results(saved: dict, fresh: dict, new_pools: bool = False) -> dict:
     key = lambda r: (r["checkpoint"], r["loss_type"], r["design"])  # noqa: E731
     saved_rows = {key(r): r for r in saved["results"]}
     same = all(k in saved_rows and math.isclose(saved_rows[k]["mse"], r["mse"], rel_tol=1e-9)
-               for r in fresh["results"] if (k := key(r))[2] == "grpo")  # fmt: skip
+               for r in fresh["results"] if (k := key(r))[2] == "grpo")
     if not same and not new_pools:
         raise SystemExit("--merge: the grpo rows differ from the saved run's: not the same pools (--merge-new-pools)")
     merges = saved["config"].get("merged", [])
@@ -828,16 +787,16 @@ def main(argv=None):
     parser.add_argument("--prune-seeds", type=int, default=200, help="draws of every design per batch")
     parser.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES)
     parser.add_argument("--designs", nargs="+", type=design_argument, default=None,
-                        help=f"default: default_designs(); any of: {design_grammar()}")  # fmt: skip
+                        help=f"default: default_designs(); any of: {design_grammar()}")
     parser.add_argument("--train-prompts", type=int, default=256, help="training list (draws, with repeats)")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", default="outputs/bench-variance")
-    parser.add_argument("--json", default="benchmarks/results/bench_variance.json")
+    parser.add_argument("--json", default=result_path("bench_variance"))
     parser.add_argument("--merge", action="store_true",
                         help="replace only the measured designs' rows in the existing --json (same pools), keep the "
-                        "others; ratios and summary recomputed")  # fmt: skip
+                        "others; ratios and summary recomputed")
     parser.add_argument("--merge-new-pools", action="store_true",
                         help="with --merge, accept pools that differ from the saved run's (another machine or model "
                         "cache): the merged rows keep their own run's ratios and are tagged with their pool")
@@ -860,15 +819,14 @@ def main(argv=None):
     summary = summarize(rows)
     for loss_type in args.loss_types:
         print_table([r for r in summary if r["loss_type"] == loss_type],
-                    f"summary, loss_type={loss_type}: mean over checkpoints {[i['steps'] for i in infos]}")  # fmt: skip
+                    f"summary, loss_type={loss_type}: mean over checkpoints {[i['steps'] for i in infos]}")
     elapsed = time.perf_counter() - started
     out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
     saved = {"config": vars(args), "elapsed_s": elapsed, "checkpoints": descriptions, "results": rows,
-             "summary": summary}  # fmt: skip
+             "summary": summary}
     if args.merge:
-        saved = merge_results(json.loads(out.read_text()), saved, new_pools=args.merge_new_pools)
-    out.write_text(json.dumps(saved, indent=1))
+        saved = merge_results(read_json(out), saved, new_pools=args.merge_new_pools)
+    write_json(out, saved)
     print(f"\nwrote {out} ({elapsed:.0f} s in all)")
     return rows
 

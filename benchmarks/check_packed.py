@@ -13,25 +13,19 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from harness import suite_helper, write_json  # noqa: E402
 
 
 def kernels(cuda: bool) -> list[str]:
     if not cuda:
-        sys.path.insert(0, str(ROOT / "tests"))
-        import varlen_reference
-
-        return ["sdpa", "eager", varlen_reference.register()]
+        return ["sdpa", "eager", suite_helper("varlen_reference").register()]
     found = ["sdpa"]
     if importlib.util.find_spec("flash_attn") is not None:
         found.append("flash_attention_2")
@@ -48,7 +42,7 @@ def long_tailed_batch(vocab: int, rows: int, prompt: int, completion: int, pad: 
     completion_mask = (torch.arange(completion)[None] < lengths[:, None]).long()
     prompt_ids[prompt_mask == 0], completion_ids[completion_mask == 0] = pad, pad
     return {"ids": torch.cat([prompt_ids, completion_ids], 1), "mask": torch.cat([prompt_mask, completion_mask], 1),
-            "completion_mask": completion_mask, "width": completion}  # fmt: skip
+            "completion_mask": completion_mask, "width": completion}
 
 
 def compare(model_dir: str, attn: str, cuda: bool, rows: int, prompt: int, completion: int) -> dict:
@@ -57,16 +51,16 @@ def compare(model_dir: str, attn: str, cuda: bool, rows: int, prompt: int, compl
     from dppo_trl import DPPOConfig, DPPOTrainer
     from dppo_trl.tasks.toy import addition_dataset, addition_pairs
 
+    model_init_kwargs = {"attn_implementation": attn, "dtype": torch.bfloat16 if cuda else torch.float32}
     args = DPPOConfig(output_dir=tempfile.mkdtemp(), bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no",
                       per_device_train_batch_size=rows, num_generations=rows, max_completion_length=completion,
-                      gradient_checkpointing=False, model_init_kwargs={"attn_implementation": attn,
-                      "dtype": torch.bfloat16 if cuda else torch.float32})  # fmt: skip
+                      gradient_checkpointing=False, model_init_kwargs=model_init_kwargs)
     trainer = DPPOTrainer(model_dir, lambda completions, **_: [0.0] * len(completions), args=args,
-                          train_dataset=addition_dataset(addition_pairs(seed=0)[0][:8]))  # fmt: skip
+                          train_dataset=addition_dataset(addition_pairs(seed=0)[0][:8]))
     trainer.model.train()
     device = trainer.accelerator.device
     batch = long_tailed_batch(trainer.model.config.vocab_size, rows, prompt, completion,
-                              trainer.processing_class.pad_token_id, torch.Generator().manual_seed(0))  # fmt: skip
+                              trainer.processing_class.pad_token_id, torch.Generator().manual_seed(0))
     ids, mask, width = batch["ids"].to(device), batch["mask"].to(device), batch["width"]
     with torch.no_grad():
         padded = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, width)[0]
@@ -108,10 +102,9 @@ def main(argv=None):
             good = r["max_abs"] <= max_abs and r["mean_abs"] <= mean_abs
             ok &= good
             print(f"packed == padded  {attn:<22} budget {budget:<8} max {r['max_abs']:.2e}  mean "
-                  f"{r['mean_abs']:.2e}  {'ok' if good else 'MISMATCH'}")  # fmt: skip
+                  f"{r['mean_abs']:.2e}  {'ok' if good else 'MISMATCH'}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
     return 0 if ok else 1
 
 

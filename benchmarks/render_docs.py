@@ -217,7 +217,7 @@ def reasoning_table(data: dict, columns: list[str], design: str, settings_column
     """One row per method of a bench_reasoning run; ``columns`` from REASONING_HEADERS."""
     epochs = data["config"]["epochs"]
     header = ["method"] + (["settings"] if settings_column else []) + [
-        REASONING_HEADERS[c].format(epochs=epochs) for c in columns]  # fmt: skip
+        REASONING_HEADERS[c].format(epochs=epochs) for c in columns]
     body = []
     for r in data["results"]:
         cells = reasoning_cells(r, epochs)
@@ -231,7 +231,7 @@ def reasoning_seconds_table(data: dict) -> str:
     first and last quarter of the generation batches (min-max over seeds)."""
     labels = ("generation", "rewards + log-prob passes", "loss forward + backward", "other")
     header = ["method", *[f"{x} (s)" for x in labels], "whole run (s)", "optimizer steps",
-              "zero-var. share, first quarter", "last quarter"]  # fmt: skip
+              "zero-var. share, first quarter", "last quarter"]
     body = []
     for r in data["results"]:
         seeds = data["per_seed"][r["method"]]
@@ -239,14 +239,14 @@ def reasoning_seconds_table(data: dict) -> str:
             [r["method"], *[f"{r['phase_s'][p]:.1f}" for p in ("generation", "scoring", "loss", "other")],
              f"{r['total_s']:.1f}", span([s["optimizer_steps"] for s in seeds], ".0f"),
              span([s["zero_variance_first_last"][0] for s in seeds]),
-             span([s["zero_variance_first_last"][1] for s in seeds])]  # fmt: skip
+             span([s["zero_variance_first_last"][1] for s in seeds])]
         )
     return md_table(header, body)
 
 
 SHORT_REASONING = ["time", "train", "ideal", "kept", "tokens", "target", "acc", "greedy"]
 FULL_REASONING = ["time", "train", "ideal", "x_ideal", "target", "kept", "tokens", "zero_var", "acc", "greedy",
-                  "gen_share"]  # fmt: skip
+                  "gen_share"]
 
 # ------------------------------------------------------------------------------------ bench_variance.json tables
 
@@ -287,9 +287,9 @@ def variance_table(data: dict, loss_type: str, full: bool = True) -> str:
     for r in (r for r in data["summary"] if r["loss_type"] == loss_type):
         default = r["design"] == f"{DEFAULT_DESIGN}@{DEFAULT_KEEP_RATE}"
         eff, oracle = f"{r['efficiency']:.2f}", f"{r['efficiency_to_oracle']:.2f}"
-        row = [variance_label(r["design"], (loss_type, r["design"]) in other), f"{r['kept_fraction']:.3f}", f"{r['compute_ratio']:.3f}",
-               f"{r['mse_ratio']:.3f}", bias_text(r), num(r["bias_noise"], ".4f"),
-               f"**{eff}**" if default else eff, f"**{oracle}**" if default else oracle]  # fmt: skip
+        row = [variance_label(r["design"], (loss_type, r["design"]) in other), f"{r['kept_fraction']:.3f}",
+               f"{r['compute_ratio']:.3f}", f"{r['mse_ratio']:.3f}", bias_text(r), num(r["bias_noise"], ".4f"),
+               f"**{eff}**" if default else eff, f"**{oracle}**" if default else oracle]
         if full:
             row += [num(r["kept_rows_sd"], ".2f"), num(r["kept_tokens_rel_sd"]), num(r["group_imbalance"])]
         body.append(row)
@@ -299,13 +299,13 @@ def variance_table(data: dict, loss_type: str, full: bool = True) -> str:
 def variance_checkpoints_table(data: dict) -> str:
     """bench_variance's checkpoints: each pool's zero-variance share, accuracy and completion lengths."""
     header = ["checkpoint", "rows", "zero-variance groups", "pool accuracy (sampled)", "completion tokens",
-              "median", "parameters"]  # fmt: skip
+              "median", "parameters"]
     body = []
     for c in data["checkpoints"]:
         tokens = c["completion_tokens"]
         body.append([f"sft-{c['steps']}", str(c["rows"]), f"{c['zero_variance_share']:.0%}",
                      f"{c['pool_accuracy']:.2f}", f"{tokens['min']}-{tokens['max']}", f"{tokens['median']:.0f}",
-                     f"{c['parameters']:,}"])  # fmt: skip
+                     f"{c['parameters']:,}"])
     return md_table(header, body)
 
 
@@ -325,12 +325,12 @@ def e2e_methods_table(data: dict) -> str:
     table = data["tables"]["methods"]
     header = ["method", "s/step", "total time / GRPO", "training phase / GRPO",
               "time to GRPO's final reward / GRPO (seeds reaching)", "kept", f"reward at {steps} steps",
-              f"held-out accuracy ({table[0]['seeds']} seeds)"]  # fmt: skip
+              f"held-out accuracy ({table[0]['seeds']} seeds)"]
     design = f"`{run_design('bench_e2e', data)}`"
     label = lambda method: E2E_LABELS.get(method, method).format(design=design)  # noqa: E731
     body = [[label(r["method"]), f"{r['step_s']:.3f}", f"{r['total_ratio']:.3f}", f"{r['training_phase_ratio']:.3f}",
              target_text(r), f"{r['kept_fraction']:.2f}", f"{r['final_reward']:.3f}",
-             pm(r["accuracy_mean"], r["accuracy_std"])] for r in table]  # fmt: skip
+             pm(r["accuracy_mean"], r["accuracy_std"])] for r in table]
     return md_table(header, body)
 
 
@@ -349,7 +349,7 @@ def e2e_sweep_table(data: dict, knob: str) -> str:
     prompt = knob == "prompt_keep_rate"
     first = "`prompt_keep_rate` (with keep 0.5)" if prompt else "`completion_keep_rate`"
     header = [first, "total time / GRPO"] + ([] if prompt else ["training phase / GRPO"]) + [
-        "time to target / GRPO", f"reward at {steps} steps", "held-out accuracy"]  # fmt: skip
+        "time to target / GRPO", f"reward at {steps} steps", "held-out accuracy"]
     default = DEFAULT_PROMPT_KEEP_RATE if prompt else DEFAULT_KEEP_RATE
     extra = {1.0: "(off)"} if prompt else {1.0: "(packing only)"}
     body = []
@@ -363,7 +363,7 @@ def e2e_sweep_table(data: dict, knob: str) -> str:
 def e2e_grpo_shares(data: dict) -> str:
     share = next(r for r in data["tables"]["methods"] if r["method"] == "grpo")["phase_share"]
     labels = {"generation": "generation", "scoring": "rewards + log-prob passes", "loss": "loss forward + backward",
-              "other": "other"}  # fmt: skip
+              "other": "other"}
     return ", ".join(f"{labels[p]} {share[p]:.2f}" for p in labels)
 
 
@@ -373,11 +373,11 @@ def e2e_grpo_shares(data: dict) -> str:
 def balance_table(data: dict) -> str:
     """Kept tokens per rank, max / mean, before and after balance_ranks, per (ranks, keep rate)."""
     header = ["ranks", "keep", "before: median", "before: p95", "after: median", "after: p95",
-              "batches within 10% after", "rows moved"]  # fmt: skip
+              "batches within 10% after", "rows moved"]
     body = [[str(r["world"]), str(r["keep_rate"]), f"{r['imbalance_before_median']:.3f}",
              f"{r['imbalance_before_p95']:.3f}", f"{r['imbalance_after_median']:.3f}",
              f"{r['imbalance_after_p95']:.3f}", f"{r['within_10_percent_after']:.0%}",
-             f"{r['rows_moved_fraction']:.1%}"] for r in data["results"]]  # fmt: skip
+             f"{r['rows_moved_fraction']:.1%}"] for r in data["results"]]
     return md_table(header, body)
 
 
@@ -398,7 +398,7 @@ def train_table(data: dict) -> str:
     body = [[labels.get(r["variant"], r["variant"]), f"{r['real_tokens']:.0f}", f"{r['allocated_tokens']:.0f}",
              f"{r['token_density']:.3f}", f"{r['median_seconds']:.3f}", f"{r['time_ratio_to_grpo']:.3f}",
              f"{r['ideal_ratio']:.3f}", f"{r['time_ratio_to_grpo'] / r['ideal_ratio']:.2f}"]
-            for r in data["results"]]  # fmt: skip
+            for r in data["results"]]
     return md_table(header, body)
 
 
@@ -408,7 +408,7 @@ def real_table(data: dict) -> str:
     labels = {"grpo": "GRPO (TRL)", "dppo": "DPPO (defaults: keep 0.5, stratified, packing)",
               "dppo+prompt": "DPPO + prompt pruning (prompt_keep_rate 0.5)", "packing": "packing alone (keep 1.0)"}
     header = ["method", "time to GRPO's final reward", "reached", "total time", "training phase", "ideal", "kept",
-              "final reward", "minus GRPO's (paired)", "held-out score (start -> end)"]  # fmt: skip
+              "final reward", "minus GRPO's (paired)", "held-out score (start -> end)"]
     body = []
     for r in data["results"]:
         ratio = lambda key: pm(r[key + "_mean"], r[key + "_se"]) if r[key + "_mean"] is not None else "-"  # noqa: E731
@@ -419,7 +419,8 @@ def real_table(data: dict) -> str:
                      ratio("total_ratio"), ratio("training_phase_ratio"), ratio("ideal_training_ratio"),
                      f"{r['kept_fraction']:.2f}", pm(r["final_reward_mean"], r["final_reward_se"]),
                      pm(r["final_reward_diff_mean"], r["final_reward_diff_se"]),
-                     f"{r['heldout_start_mean']:.3f} -> {pm(r['heldout_final_mean'], r['heldout_final_se'])}"])  # fmt: skip
+                     f"{r['heldout_start_mean']:.3f} -> "
+                     f"{pm(r['heldout_final_mean'], r['heldout_final_se'])}"])
     return md_table(header, body)
 
 
@@ -430,13 +431,13 @@ def audit_table(data: dict) -> str:
 
     header = ["design", "keep rate", "kept", "seed", "audits (counted)", "median cosine", "mean measured rel. error",
               "mean model-based error", "median measured / model", "mean projection", "final bias t",
-              "bias alarm at", "audit s / step s"]  # fmt: skip
+              "bias alarm at", "audit s / step s"]
     body = [[f"`{r['design']}`", str(r["keep_rate"]), cell(r["kept_fraction"], ".2f"), str(r["seed"]),
              f"{r['audits']} ({r['counted']})", cell(r["median_cosine"]),
              cell(r["mean_rel_error"]), cell(r["mean_model_error"]), cell(r["median_noise_to_signal"], ".2f"),
              cell(r["mean_projection"]), cell(r["final_bias_t"], ".2f"), cell(r["alarm_at"], "d"),
              f"{cell(r['audit_s'], '.1f')} / {cell(r['step_s'], '.1f')}"]
-            for r in data["rows"]]  # fmt: skip
+            for r in data["rows"]]
     return md_table(header, body)
 
 
@@ -448,10 +449,10 @@ def audit_alarm_table(data: dict) -> str:
         return f"{r[f'alarm_within_{n}']:.1%}" if r["looks"] >= n else "-"
 
     header = ["design", "unbiased", "seeded runs", "alarm within 24 counted audits", f"within {looks}",
-              "median audit of the alarm"]  # fmt: skip
+              "median audit of the alarm"]
     body = [[f"`{r['design']}`", "yes" if r["unbiased"] else "no", str(r["seeds"]), rate(r, 24), rate(r, looks),
              "-" if r["median_alarm_at"] is None else f"{r['median_alarm_at']:g}"]
-            for r in data["rows"]]  # fmt: skip
+            for r in data["rows"]]
     return md_table(header, body)
 
 
@@ -494,7 +495,7 @@ MATCHED = ("@0.5", "+g-0.5@0.5", "+tokens@0.4", "+tokens+g-0.5@0.4")  # the desi
 def stratified_gains(results: dict) -> list[float]:
     """Efficiency of `stratified` over `systematic`, minus 1, in every matched pair and loss type."""
     return [efficiency(results, f"{loss}/stratified{m}") / efficiency(results, f"{loss}/systematic{m}") - 1
-            for loss in ("dapo", "grpo") for m in MATCHED]  # fmt: skip
+            for loss in ("dapo", "grpo") for m in MATCHED]
 
 
 def bias_verdict(results: dict, key: str) -> str:
@@ -507,7 +508,7 @@ def bias_verdict(results: dict, key: str) -> str:
 def rerun_seconds(results: dict) -> tuple[float, float]:
     """The same `stratified` runs (same seeds, same masks) timed in two bench-reasoning runs: 2-epoch seconds."""
     return (rows("bench_reasoning_adaptive", results["bench_reasoning_adaptive"])["dppo"]["total_s"],
-            rows("bench_reasoning_designs", results["bench_reasoning_designs"])["stratified"]["total_s"])  # fmt: skip
+            rows("bench_reasoning_designs", results["bench_reasoning_designs"])["stratified"]["total_s"])
 
 
 def rerun_noise(results: dict) -> str:
@@ -543,7 +544,7 @@ SPANS = {  # inline values that are not one field: name [arguments] -> function 
     "default_design": lambda R: f"`{DEFAULT_DESIGN}`",
     "bench_audit_alarm_worst": audit_alarm_worst,
     **{f"design:{n}": _design(n) for n in ("bench_reasoning", "bench_reasoning_designs", "bench_reasoning_adaptive",
-                                           "bench_e2e", "bench_train", "bench_gpu")},  # fmt: skip
+                                           "bench_e2e", "bench_train", "bench_gpu")},
 }
 
 
@@ -562,7 +563,7 @@ def render_spec(spec: str, results: dict) -> str:
     except (KeyError, IndexError, TypeError) as err:
         raise ValueError(f"generated part {spec!r}: nothing at {err} in benchmarks/results/") from None
     raise ValueError(f"unknown generated part {spec!r}: a table {sorted(TABLES)}, a span {sorted(SPANS)}, "
-                     "or FILE KEY FIELD FORMAT")  # fmt: skip
+                     "or FILE KEY FIELD FORMAT")
 
 
 def render(text: str, results: dict) -> str:

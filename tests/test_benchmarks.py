@@ -147,8 +147,8 @@ def test_bench_reasoning_time_to_target_is_the_first_evaluation_at_grpo_final_ac
     run = {"evals": [{"wall": w, "accuracy": a} for w, a in ((0.0, 0.2), (5.0, 0.6), (9.0, 0.4), (12.0, 0.6))]}
     walls, smooth = bench_reasoning.smoothed_accuracy(run, window=2)
     assert walls == [0.0, 5.0, 9.0, 12.0] and [round(a, 9) for a in smooth] == [0.2, 0.4, 0.5, 0.5]
-    assert bench_reasoning.first_reaching(walls, smooth, 0.45) == 9.0  # the single 0.6 at 5 s is not enough
-    assert bench_reasoning.first_reaching(walls, smooth, 0.6) is None
+    assert bench_reasoning.time_to((walls, smooth), 0.45) == 9.0  # the single 0.6 at 5 s is not enough
+    assert bench_reasoning.time_to((walls, smooth), 0.6) is None
 
 
 @pytest.mark.slow

@@ -1,0 +1,252 @@
+"""Training runs under the clock: TRL's GRPOTrainer or DPPOTrainer subclassed to time TRL's phases and record each
+generation batch, a callback for the per-step wall clock and the held-out evaluations (outside the clock), one run
+of a method, and the runs of several methods over seeds."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+import time
+
+import torch
+
+PHASES = ("generation", "scoring", "loss", "other")
+PHASE_LABELS = {
+    "generation": "generation",
+    "scoring": "rewards + log-prob passes",
+    "loss": "loss forward + backward",
+    "other": "optimizer, logging, other",
+}
+
+
+def timed(trainer_cls):
+    """A subclass of ``trainer_cls`` that clocks TRL's phases: ``_generate`` (rollouts), the rest of
+    ``_generate_and_score_completions`` (rewards, advantages, log-prob passes, DPPO's pruning), and the rest
+    of ``training_step`` (loss forward + backward). It also records each generation batch's reward and tokens."""
+
+    class Timed(trainer_cls):
+        def _bench_reset(self):
+            self.bench_phase = dict.fromkeys(PHASES[:-1], 0.0)
+            self.bench_generations = []
+            self._bench_prompt_weights = None
+
+        def _generate(self, prompts):
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                self.bench_phase["generation"] += time.perf_counter() - start
+
+        def _take_prompt_decision(self, *args, **kwargs):
+            weights, normalizer = super()._take_prompt_decision(*args, **kwargs)
+            self._bench_prompt_weights = weights.detach().double().cpu()
+            return weights, normalizer
+
+        def _generate_and_score_completions(self, inputs):
+            start, generation_before = time.perf_counter(), self.bench_phase["generation"]
+            output = super()._generate_and_score_completions(inputs)
+            total = time.perf_counter() - start
+            self.bench_phase["scoring"] += total - (self.bench_phase["generation"] - generation_before)
+            self.bench_phase["loss"] -= total  # training_step's clock below contains this call
+            self._bench_record_generation(output)
+            return output
+
+        def training_step(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return super().training_step(*args, **kwargs)
+            finally:
+                self.bench_phase["loss"] += time.perf_counter() - start
+
+        def _bench_record_generation(self, output):
+            rewards = self._bench_rewards.float().cpu()
+            completion_tokens = output["completion_mask"].sum(1).float().cpu()
+            width = output["completion_mask"].size(1)
+            sequence_tokens = completion_tokens + output["prompt_mask"].sum(1).float().cpu()
+            keep = output.get("dppo_keep")
+            keep = torch.ones_like(rewards, dtype=torch.bool) if keep is None else keep.cpu()
+            weights = self._bench_prompt_weights
+            self._bench_prompt_weights = None
+            spread = rewards.view(-1, self.num_generations)
+            zero_variance = float((spread.amax(1) == spread.amin(1)).float().mean())
+            # With prompt pruning the generated prompts are a weighted sample: the Hajek estimate (weights
+            # q_bar / q) is the reward of the policy on the whole training set, comparable with GRPO's.
+            population = float((weights * rewards).sum() / weights.sum()) if weights is not None else None
+            self.bench_generations.append(
+                {
+                    "step": self.state.global_step,
+                    "reward": float(rewards.mean()),
+                    "population_reward": population if population is not None else float(rewards.mean()),
+                    "zero_variance_groups": zero_variance,
+                    "completions": int(rewards.numel()),
+                    "padded_tokens": float(rewards.numel() * (output["prompt_mask"].size(1) + width)),
+                    "kept_completions": int(keep.sum()),
+                    "completion_tokens": float(completion_tokens.sum()),
+                    "trained_sequence_tokens": float(sequence_tokens[keep].sum()),
+                    "sequence_tokens": float(sequence_tokens.sum()),
+                }
+            )
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            weights = self.reward_weights.to(rewards_per_func.device)
+            rank = self.accelerator.process_index
+            local = slice(rank * len(prompts), (rank + 1) * len(prompts))  # TRL gathered every rank's rows
+            self._bench_rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)[local]
+            return rewards_per_func
+
+    Timed.__name__ = f"Timed{trainer_cls.__name__}"
+    return Timed
+
+
+def clock(trainer, evaluate, eval_every, budget, progress=None):
+    """Per-step wall clock (evaluation excluded), phase split, and held-out evaluation each time ``progress``
+    (optimizer steps by default; a function of the trainer, e.g. ``data_progress``) passes a multiple of
+    ``eval_every``, at the start, at the step budget and at the end."""
+    progress = progress or (lambda trainer: trainer.state.global_step)
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.steps, self.evals, self.excluded = [], [], 0.0
+
+        def _evaluate(self, state):
+            if evaluate is None:
+                return
+            start = time.perf_counter()
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            was_training = model.training
+            model.eval()
+            result = evaluate(model)  # a float, or a dict with the main figure under "accuracy"
+            model.train(was_training)
+            self.excluded += time.perf_counter() - start
+            result = result if isinstance(result, dict) else {"accuracy": result}
+            self.evals.append({"step": state.global_step, "progress": progress(trainer), "wall": self.wall(), **result})
+
+        def wall(self):
+            return time.perf_counter() - self.start - self.excluded
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer._bench_reset()
+            self.start = time.perf_counter()
+            self.last_phase = dict(trainer.bench_phase)
+            self.last_wall, self.next_eval = 0.0, eval_every
+            self._evaluate(state)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            wall = self.wall()
+            phase = {k: trainer.bench_phase[k] - self.last_phase[k] for k in trainer.bench_phase}
+            phase["other"] = (wall - self.last_wall) - sum(phase.values())
+            self.steps.append({"step": state.global_step, "wall": wall, "seconds": wall - self.last_wall, **phase})
+            self.last_phase, self.last_wall = dict(trainer.bench_phase), wall
+            if progress(trainer) >= self.next_eval or state.global_step == budget:
+                self._evaluate(state)
+                while self.next_eval <= progress(trainer):
+                    self.next_eval += eval_every
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if not self.evals or self.evals[-1]["step"] != state.global_step:
+                self._evaluate(state)
+
+    return Clock()
+
+
+def data_progress(trainer) -> int:
+    """How far through the data a run is, in GRPO's optimizer steps (prompt pruning walks faster per step)."""
+    if getattr(trainer.args, "prompt_pruning", False):
+        return trainer._grpo_equivalent_steps()
+    return trainer.state.global_step
+
+
+def run_one(name, settings, seed, setup):
+    """Train one method (``settings``: DPPOConfig fields, None for TRL's GRPO) from ``setup["model_dir"]`` for
+    ``setup["steps"]`` optimizer steps (pruned methods go on for ``setup["extension"]`` more, used only to see
+    when they reach GRPO's final reward), or for ``setup["epochs"]`` epochs where given; return its per-step,
+    per-generation and evaluation records.
+
+    ``setup`` also holds ``reward_funcs``, ``train_dataset``, ``trainer_args`` (config fields of every method),
+    ``eval_every``, and optionally ``evaluate`` (a function of the model and ``tokenizer=``), ``progress`` (what
+    ``eval_every`` counts, ``clock``) and ``trainer_kwargs`` (e.g. ``peft_config``)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dppo_trl import DPPOConfig, DPPOTrainer
+    from dppo_trl.hooks.summary import DPPOSummaryCallback
+
+    if setup.get("epochs"):  # the epoch protocol (bench_reasoning.py): no step budget
+        length = dict(num_train_epochs=setup["epochs"])
+    else:
+        length = dict(max_steps=setup["steps"] + (setup["extension"] if settings is not None else 0))
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="dppo-bench-"),
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        logging_steps=10**6,
+        seed=seed,
+        **length,
+        **setup["trainer_args"],
+    )
+    if settings is None:
+        trainer_cls, args = timed(GRPOTrainer), GRPOConfig(**common)
+    else:
+        trainer_cls, args = timed(DPPOTrainer), DPPOConfig(**common, **settings)
+    trainer = trainer_cls(
+        setup["model_dir"],
+        setup["reward_funcs"],
+        args=args,
+        train_dataset=setup["train_dataset"],
+        **setup.get("trainer_kwargs", {}),
+    )
+    evaluate = setup.get("evaluate")
+    if evaluate is not None:
+        evaluate = functools.partial(evaluate, tokenizer=trainer.processing_class)
+    timer = clock(trainer, evaluate, setup["eval_every"], setup.get("steps"), setup.get("progress"))
+    trainer.add_callback(timer)
+    for quiet in (PrinterCallback, ProgressCallback, DPPOSummaryCallback):  # the table is the report
+        trainer.remove_callback(quiet)
+    torch.manual_seed(seed)
+    trainer.train()
+    return {
+        "method": name,
+        "settings": settings,
+        "seed": seed,
+        "budget": setup.get("steps"),
+        "steps": timer.steps,
+        "generations": trainer.bench_generations,
+        "evals": timer.evals,
+    }
+
+
+def warm_up(setup, settings, count=1, **overrides):
+    """``count`` untimed runs of ``settings`` for two steps (``overrides`` replace more of ``setup``), so that
+    first-call costs (imports, kernels) land there, not in GRPO's first timed run."""
+    for _ in range(count):
+        run_one("warmup", settings, 0, {**setup, "epochs": None, "steps": 2, "extension": 0, **overrides})
+
+
+def run_methods(methods, seeds, setup, runs=None, started=None, label="", note=None, after_run=None):
+    """Train each of ``methods`` (name -> DPPOConfig settings, None for GRPO) in each of ``seeds``, the methods
+    back to back within a seed, appending to ``runs`` (returned). A (method, seed) already in ``runs`` is not run
+    again; one whose settings match a run of that seed reuses that run under its own name. Prints a progress line
+    per run (``label`` first, ``note(run)`` before the held-out figures); ``after_run(runs)`` after each new run."""
+    runs = [] if runs is None else runs
+    started = time.perf_counter() if started is None else started
+    for seed in seeds:
+        for name, settings in methods.items():
+            if any(r["method"] == name and r["seed"] == seed for r in runs):
+                continue
+            cached = [r for r in runs if r["seed"] == seed and r["settings"] == settings]
+            if cached:  # the same settings under another name (e.g. keep=0.5 is `dppo`): reuse the run
+                runs.append(dict(cached[0], method=name))
+                continue
+            run = run_one(name, settings, seed, setup)
+            evals = run["evals"]
+            held_out = f"held-out {evals[0]['accuracy']:.3f} -> {evals[-1]['accuracy']:.3f}" if evals else ""
+            print(f"[{time.perf_counter() - started:7.0f} s] {label}{name} seed {seed}: {len(run['steps'])} steps, "
+                  f"{run['steps'][-1]['wall']:.1f} s, {note(run) if note else ''}{held_out}", flush=True)
+            runs.append(run)
+            if after_run is not None:
+                after_run(runs)
+    return runs
