@@ -41,12 +41,10 @@ from ..core.packing import (
 )
 from .generation_batch import GenerationBatch
 
-# A rank's kept tokens may exceed the mean by this fraction before rows move.
-RANK_BALANCE_TOLERANCE = 0.1
-
-
 class RowPlacement:
     """Mixed into ``DPPOTrainer``."""
+
+    RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
 
     @property
     def _microbatches_follow_trl_split(self) -> bool:
@@ -84,7 +82,7 @@ class RowPlacement:
         is normalized by global constants or by its own TRL micro-batch's count, which travels with it, so where a
         row trains does not change the gradient. No row moves while micro-batches follow TRL's split. Updates the
         kept lengths and widths in ``batch``."""
-        tolerance = math.inf if self._microbatches_follow_trl_split else RANK_BALANCE_TOLERANCE
+        tolerance = math.inf if self._microbatches_follow_trl_split else self.RANK_BALANCE_TOLERANCE
         kept_lengths = batch.kept_lengths_per_rank
         plan = balance_ranks(kept_lengths, tolerance)
         length = lambda row: kept_lengths[row[0]][row[1]]  # noqa: E731
