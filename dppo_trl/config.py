@@ -30,6 +30,14 @@ _DEFAULT_AUDIT_EXACT_PARAMS = 1 << 23
 _SEE_REFERENCE = " See docs/config.md."  # ends the help= of every DPPO field (what `dppo-trl --help` shows)
 
 
+def audit_sharding_refusal(audit_every: int) -> str:
+    """The one message refusing the audit under DeepSpeed or FSDP (set in the config, or by ``accelerate launch``)."""
+    return (
+        f"audit_every={audit_every!r} is not supported with DeepSpeed or FSDP yet (the audit takes gradients of the "
+        "unsharded parameters); set audit_every=0."
+    )
+
+
 def is_real_number(value, *, finite: bool = False) -> bool:
     """Whether ``value`` is an int or a float, not a bool; with ``finite``, also neither NaN nor +-inf. Without it
     NaN passes, for range checks to refuse: ``low < value <= high`` is false for NaN."""
@@ -336,10 +344,7 @@ class DPPOConfig(GRPOConfig):
                 "are unbiased over an epoch, not within one batch. Use prompt_keep_rate=1.0 or audit_every=0."
             )
         if self.audit_every and (self.deepspeed or self.fsdp):
-            raise ValueError(
-                f"audit_every={self.audit_every!r} is not supported with DeepSpeed or FSDP yet (the audit takes "
-                "gradients of the unsharded parameters); set audit_every=0."
-            )
+            raise ValueError(audit_sharding_refusal(self.audit_every))
         scale = self.scale_rewards if isinstance(self.scale_rewards, str) else "group" if self.scale_rewards else "none"
         if self.prompt_pruning and (scale == "batch" or self.multi_objective_aggregation == "normalize_then_sum"):
             raise ValueError(

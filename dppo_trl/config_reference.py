@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import re
 import sys
+import typing
 from pathlib import Path
 
 from trl import GRPOConfig
@@ -96,10 +97,20 @@ def _literal(value) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
+def annotation_text(annotation) -> str:
+    """A field's annotation as source text. ``field.type`` is the string the module wrote (``from __future__ import
+    annotations``) until ``HfArgumentParser`` resolves it in place to the type itself (``float``, ``float | None``)."""
+    if isinstance(annotation, str):
+        return annotation
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
 def expected_header(f: dataclasses.Field) -> str:
     """What a field's docstring parentheses must say, from its annotation and default (TRL's convention: no
     default named when it is None)."""
-    kind = str(f.type).replace(" | None", "")
+    kind = annotation_text(f.type).replace(" | None", "")
     return f"`{kind}`, *optional*" + ("" if f.default is None else f", defaults to `{_literal(f.default)}`")
 
 

@@ -34,7 +34,7 @@ from datasets import IterableDataset
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
-from .config import DPPOConfig, as_dppo_config
+from .config import DPPOConfig, as_dppo_config, audit_sharding_refusal
 from .core.packing import is_varlen_attention
 from .hooks.audit import GradientAudit
 from .hooks.checkpoint import load_dppo_state, save_dppo_state
@@ -105,10 +105,7 @@ class DPPOTrainer(
         self._varlen_attention = is_varlen_attention(attention)
         self.add_callback(DPPOSummaryCallback(self._audit_summary))
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise ValueError(
-                f"audit_every={self.args.audit_every!r} is not supported with DeepSpeed or FSDP yet (the audit takes "
-                "gradients of the unsharded parameters); set audit_every=0."
-            )
+            raise ValueError(audit_sharding_refusal(self.args.audit_every))
         if self.args.prompt_pruning and self.args.max_steps <= 0:
             self.add_callback(
                 DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks)

@@ -113,11 +113,11 @@ def test_prompt_pruning_under_dapo_is_unbiased_for_the_planned_normalizer():
     """Over every acceptance pattern of the synthetic batch (float64), prompt@'s dapo estimate has expectation
     ``N_b / D_b``: the batch gradient times ``T_b / D_b`` (its only bias, the history's length error); the
     prompt-weighted count it used before does not (a ratio estimate)."""
-    from dppo_trl.config import _DEFAULT_PROMPT_KEEP_FLOOR
+    from dppo_trl import DPPOConfig
     from dppo_trl.core.prompts import prompt_acceptance_probabilities
 
     batch = synthetic_batch()
-    q = prompt_acceptance_probabilities(batch.history, torch.ones(4, dtype=torch.bool), 0.5, _DEFAULT_PROMPT_KEEP_FLOOR)
+    q = prompt_acceptance_probabilities(batch.history, torch.ones(4, dtype=torch.bool), 0.5, DPPOConfig.prompt_keep_floor)
     target = float(batch.completion_tokens.sum()) / bv.prompt_token_normalizer(batch)
     expected, ratio = torch.zeros(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
     for pattern in itertools.product([False, True], repeat=4):

@@ -39,6 +39,15 @@ def test_every_dppo_field_is_documented_once_in_its_group_with_its_default():
     assert "GRPOConfig" in intro
 
 
+def test_the_reference_reads_the_same_after_hfargumentparser_resolved_the_annotations():
+    # HfArgumentParser (the CLI's TrlParser) replaces each field's string annotation by the type itself, in place.
+    from transformers import HfArgumentParser
+
+    HfArgumentParser(DPPOConfig)
+    assert not isinstance(config_reference.dppo_fields()["completion_keep_rate"].type, str)
+    assert config_reference.config_reference_markdown() == config_reference.DOC.read_text()
+
+
 @pytest.mark.parametrize(
     "old,new",
     [
