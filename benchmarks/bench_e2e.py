@@ -1,6 +1,6 @@
 """End-to-end benchmark: GRPO (TRL's trainer), DPPO, DPPO with prompt pruning, and the biased baselines
 `topk` (CPPO's rule) and `zero_variance` (DAPO-style filter), trained with the same data budget on the
-offline toy task of `make demo` (warm-started tiny Qwen2, two-digit addition, exact-answer reward).
+offline toy task of `make demo-tiny` (warm-started tiny Qwen2, two-digit addition, exact-answer reward).
 
 Per step it records the wall time split into generation / scoring and log-prob passes / loss forward+backward
 (+ optimizer), the tokens generated and trained, and the sampled reward; it evaluates greedy held-out accuracy

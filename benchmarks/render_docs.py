@@ -424,6 +424,28 @@ def real_table(data: dict) -> str:
     return md_table(header, body)
 
 
+ALL_RESULTS = "*"  # a TABLES entry whose function reads every results file
+HEADLINE_RUNS = (("bench_real", "transformers"), ("bench_real_vllm", "vLLM, colocated"))
+
+
+def headline_table(results: dict) -> str:
+    """README's headline: DPPO at its defaults against GRPOTrainer on the real model, one row per generation
+    engine (bench_real*.json; ratios mean ± SE over seeds, paired by seed)."""
+    header = ["generating with", "run", "whole run vs GRPO", "training phase vs GRPO", "completions kept",
+              "final reward minus GRPO's", "held-out: GRPO -> DPPO"]
+    body = []
+    for name, engine in HEADLINE_RUNS:
+        data = results[name]
+        grpo, dppo = (rows(name, data)[m] for m in ("grpo", "dppo"))
+        config = data["config"]
+        body.append([engine, f"{config['steps']} steps, {len(config['seeds'])} seeds",
+                     pm(dppo["total_ratio_mean"], dppo["total_ratio_se"]),
+                     pm(dppo["training_phase_ratio_mean"], dppo["training_phase_ratio_se"]),
+                     f"{dppo['kept_fraction']:.0%}", pm(dppo["final_reward_diff_mean"], dppo["final_reward_diff_se"]),
+                     f"{grpo['heldout_final_mean']:.3f} -> {dppo['heldout_final_mean']:.3f}"])
+    return md_table(header, body)
+
+
 def audit_table(data: dict) -> str:
     """bench_audit*.json: each run's audit readings (design, keep rate, seed)."""
     def cell(x, spec=".3f"):
@@ -463,7 +485,8 @@ def _reasoning(name, columns, settings=True):
     return name, lambda d: reasoning_table(d, columns, run_design(name, d), settings)
 
 
-TABLES = {  # block name -> (results file, function of its JSON)
+TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of every results file)
+    "headline": (ALL_RESULTS, headline_table),
     "bench_reasoning": _reasoning("bench_reasoning", FULL_REASONING),
     "bench_reasoning_seconds": ("bench_reasoning", reasoning_seconds_table),
     "bench_reasoning_designs": _reasoning("bench_reasoning_designs", SHORT_REASONING),
@@ -555,7 +578,8 @@ def render_spec(spec: str, results: dict) -> str:
     try:
         if len(words) == 1 and words[0] in TABLES:
             name, function = TABLES[words[0]]
-            return "\n\n" + function(results[name]) + "\n\n"  # blank lines: the table is its own block
+            data = results if name == ALL_RESULTS else results[name]
+            return "\n\n" + function(data) + "\n\n"  # blank lines: the table is its own block
         if words and words[0] in SPANS:
             return SPANS[words[0]](results, *words[1:])
         if len(words) == 4:

@@ -27,7 +27,8 @@ KEEP_BUDGETS = ("rows", "tokens")
 ADAPTIVE_ERROR_SOURCES = ("model", "audit")
 _DEFAULT_AUDIT_SKETCH_DIM = 4096
 _DEFAULT_AUDIT_EXACT_PARAMS = 1 << 23
-_SEE_REFERENCE = " See docs/config.md."  # ends the help= of every DPPO field (what `dppo-trl --help` shows)
+# Each DPPO field's help= is what `dppo-trl --help` shows: one or two short sentences (at most 40 words); the full
+# explanation is the class docstring's, in docs/config.md, which the help points to once.
 
 
 def audit_sharding_refusal(audit_every: int) -> str:
@@ -200,21 +201,21 @@ class DPPOConfig(GRPOConfig):
         default=_DEFAULT_KEEP_RATE,
         metadata={
             "help": "Target fraction of the generation batch's completions (or tokens) kept for the log-prob and "
-            "loss passes; 1.0: no completion pruning." + _SEE_REFERENCE
+            "loss passes; 1.0: no completion pruning."
         },
     )
     keep_floor: float = field(
         default=_DEFAULT_KEEP_FLOOR,
         metadata={
             "help": "Smallest keep probability of a row that can contribute: it caps the Horvitz-Thompson weight "
-            "1/pi at 1/keep_floor." + _SEE_REFERENCE
+            "1/pi at 1/keep_floor."
         },
     )
     prune_sampling: str = field(
         default=_DEFAULT_SAMPLING,
         metadata={
             "help": "The sampling design of the kept rows: unbiased with 1/pi weights (stratified, systematic, "
-            "poisson, balanced) or a biased baseline (topk, zero_variance)." + _SEE_REFERENCE,
+            "poisson, balanced) or a biased baseline (topk, zero_variance).",
             "choices": list(sampling_designs()),
         },
     )
@@ -222,86 +223,77 @@ class DPPOConfig(GRPOConfig):
         default="rows",
         metadata={
             "help": "What completion_keep_rate is a fraction of: the batch's rows, or its tokens (what the log-prob "
-            "and loss passes cost)." + _SEE_REFERENCE,
+            "and loss passes cost).",
             "choices": list(KEEP_BUDGETS),
         },
     )
     score_length_exponent: float | None = field(
         default=None,
-        metadata={
-            "help": "gamma of the keep scores |A| x L^gamma (L: the row's tokens); None: by loss_type."
-            + _SEE_REFERENCE
-        },
+        metadata={"help": "gamma of the keep scores |A| x L^gamma (L: the row's tokens); None: by loss_type."},
     )
     adaptive_keep_error: float | None = field(
         default=None,
         metadata={
             "help": "When set (e.g. 0.3), each generation batch keeps the smallest rate from completion_keep_rate up "
-            "whose estimated pruning error is at most this value; None: a fixed rate." + _SEE_REFERENCE
+            "whose estimated pruning error is at most this value; None: a fixed rate."
         },
     )
     adaptive_keep_error_source: str = field(
         default="model",
         metadata={
-            "help": "What adaptive_keep_error bounds: the model-based error, or the gradient audit's measured one."
-            + _SEE_REFERENCE,
+            "help": "What adaptive_keep_error bounds: model, the model-based error; audit, the gradient audit's "
+            "measured one.",
             "choices": list(ADAPTIVE_ERROR_SOURCES),
         },
     )
     prune_seed: int | None = field(
         default=None,
-        metadata={"help": "Seed of DPPO's keep and prompt-acceptance draws only; None: derived from seed."
-                  + _SEE_REFERENCE},
+        metadata={"help": "Seed of DPPO's keep and prompt-acceptance draws only; None: derived from seed."},
     )
     audit_every: int = field(
         default=0,
         metadata={
             "help": "Every this many generation batches, compare DPPO's gradient of the batch with GRPO's and log "
-            "dppo/audit_*; training is unchanged. 0: off." + _SEE_REFERENCE
+            "dppo/audit_*; training is unchanged. 0: off."
         },
     )
     audit_sketch_dim: int = field(
         default=_DEFAULT_AUDIT_SKETCH_DIM,
         metadata={
             "help": "Directions of the audit's gradient sketch, used above audit_exact_params trainable parameters."
-            + _SEE_REFERENCE
         },
     )
     audit_exact_params: int = field(
         default=_DEFAULT_AUDIT_EXACT_PARAMS,
         metadata={
             "help": "Up to this many trainable parameters the audit compares the gradients exactly; 0: always sketch."
-            + _SEE_REFERENCE
         },
     )
     prompt_keep_rate: float = field(
         default=1.0,
         metadata={
             "help": "Prompt pruning before rollout: the mean probability with which the training sampler accepts a "
-            "seen prompt, the accepted ones reweighted; 1.0: off." + _SEE_REFERENCE
+            "seen prompt, the accepted ones reweighted; 1.0: off."
         },
     )
     prompt_keep_floor: float = field(
         default=_DEFAULT_PROMPT_KEEP_FLOOR,
-        metadata={"help": "Smallest acceptance probability of a prompt under prompt pruning." + _SEE_REFERENCE},
+        metadata={"help": "Smallest acceptance probability of a prompt under prompt pruning."},
     )
     prompt_history_decay: float = field(
         default=_DEFAULT_PROMPT_HISTORY_DECAY,
-        metadata={
-            "help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."
-            + _SEE_REFERENCE
-        },
+        metadata={"help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."},
     )
     packing: bool = field(
         default=True,
         metadata={
             "help": "Dense Prompt Packing of the training passes: balanced, padding-free micro-batches; False: TRL's "
-            "padded micro-batches." + _SEE_REFERENCE
+            "padded micro-batches."
         },
     )
     max_packed_tokens: int | None = field(
         default=None,
-        metadata={"help": "Token budget of one packed row; None: by attention implementation." + _SEE_REFERENCE},
+        metadata={"help": "Token budget of one packed row; None: by attention implementation."},
     )
 
     def __post_init__(self):

@@ -1,4 +1,4 @@
-"""``make demo``: fully offline DPPO training on two-digit addition with a tiny Qwen2, through the CLI.
+"""``make demo-tiny``: fully offline DPPO training on two-digit addition with a tiny Qwen2, through the CLI.
 
 ``python -m dppo_trl.demo prepare [DIR]`` builds a 128-wide, 2-layer Qwen2 and a character tokenizer,
 warm-starts the model with plain supervised steps until it samples the right answer sometimes, and writes

@@ -1,11 +1,15 @@
 """The `dppo-trl` command line: every recipe parses and ships with the package (found by name as well as by
 path), unknown keys and bad values stop it before anything is loaded with a `dppo-trl:` line and exit status 2,
-flags override YAML, launch options are recognised and listed in the help, a LoRA run trains and saves its
-adapter, and --num_processes N > 1 starts N processes on the CPU (or is refused where accelerate would start one)."""
+flags override YAML, launch options are recognised, `--help` leads with DPPO's options by group (TRL's are
+behind `--help-all`), a LoRA run trains and saves its adapter, and --num_processes N > 1 starts N processes on the
+CPU (or is refused where accelerate would start one)."""
 
+import argparse
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +19,9 @@ from support.configs import DPPO_FIELDS
 from support.models import addition_prompts
 from support.processes import kill_process_tree
 
-from dppo_trl.cli import bundled_recipes, main, make_parser, parse
+from dppo_trl.cli import bundled_recipes, main, make_parser, parse, script_arguments_class
+from dppo_trl.cli.arguments import script_keys
+from dppo_trl.cli.help import COMMON_LAUNCH_OPTIONS, dppo_groups
 from dppo_trl.config import DPPOConfig
 
 REPO = Path(__file__).parent.parent
@@ -164,18 +170,110 @@ def test_flags_override_yaml(tmp_path):
     assert os.environ.pop("DPPO_TEST_ENV") == "set-by-yaml"
 
 
-def test_help_lists_the_dppo_options_config_and_launch_options():
-    text = make_parser().format_help()
+def help_texts(monkeypatch) -> tuple[str, str]:
+    """(``dppo-trl --help``, ``dppo-trl --help-all``) on an 80-column terminal."""
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = make_parser()
+    return parser.format_help(), parser.format_full_help()
+
+
+def listed_options(text: str) -> list[str]:
+    """The options a help text lists, one entry each (an entry's line starts with two spaces and its flag)."""
+    return re.findall(r"^  (-\w|--[\w-]+)", text, re.MULTILINE)
+
+
+def section(text: str, title: str) -> str:
+    """A section of a help text: from its ``title:`` line to the next blank line followed by another title."""
+    start = text.index(f"\n{title}:\n") + 1
+    found = re.search(r"\n\n\S[^\n]*:\n", text[start:])
+    return text[start : start + found.start()] if found else text[start:]
+
+
+def test_the_help_lists_the_dppo_options_config_and_launch_options(monkeypatch):
+    text, full = help_texts(monkeypatch)
     for name in DPPO_FIELDS:
         assert f"--{name}" in text, name
     assert "Horvitz" in text or "1/pi" in text  # the help text itself, not just the flag
     assert "--config YAML_OR_RECIPE" in text
     for name in bundled_recipes():
         assert name in text, name
-    launch = text[text.index("launch options (") :]
-    for flag in ["--accelerate_config", "--num_processes", "--num_machines", "--mixed_precision", "--use_deepspeed"]:
-        assert flag in launch, flag
-    assert "--zero_stage" in launch and "--gradient_accumulation_steps" not in launch  # that one is training's
+    common = ("--accelerate_config", "--num_processes", "--num_machines", "--mixed_precision", "--use_deepspeed")
+    for help_text in (text, full):
+        launch = section(help_text, "launch options")
+        for flag in common:
+            assert flag in launch, flag
+        assert "--gradient_accumulation_steps" not in launch  # that one is training's
+    assert "--zero_stage," in section(full, "launch options")  # every other launch option, by name
+
+
+def test_the_first_screen_of_the_help_is_dppos_options_by_group(monkeypatch):
+    text, _ = help_texts(monkeypatch)
+    first_screen = "\n".join(text.splitlines()[:50])
+    assert "\ncompletion pruning:\n" in first_screen and "--completion_keep_rate FLOAT" in first_screen
+    assert "docs/config.md" in first_screen and "--config YAML_OR_RECIPE" in first_screen
+    groups = dppo_groups()
+    assert list(groups) == ["completion pruning", "the gradient audit", "prompt pruning", "packing"]
+    assert set().union(*map(set, groups.values())) == DPPO_FIELDS
+    lines = text.splitlines()
+    headings = [lines.index(f"{group}:") for group in groups]
+    assert headings == sorted(headings) and headings[-1] < lines.index("launch options:") < 100
+    for group, fields in groups.items():  # each option in its group's section, with its help text beside it
+        assert listed_options(section(text, group)) == [f"--{name}" for name in fields], group
+
+
+def test_every_dppo_help_text_is_one_or_two_short_sentences(monkeypatch):
+    parser = make_parser()
+    own = DPPO_FIELDS | set(script_keys())  # what the short help shows with its help text, besides launch options
+    shown = {a.dest: a.help for a in parser._actions if a.dest in own}
+    assert set(shown) == own and len(own) == len(DPPO_FIELDS) + 6
+    for name, help_text in shown.items():
+        assert 0 < len(help_text.split()) <= 40, (name, len(help_text.split()))
+        assert help_text.count(". ") + help_text.count("; ") <= 2, name
+    text, _ = help_texts(monkeypatch)
+    for group in dppo_groups():  # on screen: at most 6 lines an option
+        body = section(text, group).splitlines()[1:]
+        assert len(body) <= 6 * len(listed_options("\n".join(body))), group
+
+
+def test_trls_options_are_behind_help_all_and_parse_as_before(monkeypatch):
+    text, full = help_texts(monkeypatch)
+    short, every = set(listed_options(text)), set(listed_options(full))
+    dppo_own = {f"--{name}" for name in DPPO_FIELDS} | {f"--{name}" for name in script_keys()}
+    assert short - {"-h", "--help-all", "--config", "--accelerate_config"} - dppo_own == {
+        f"--{name}" for name in COMMON_LAUNCH_OPTIONS
+    }
+    for flag in ("--learning_rate", "--beta", "--num_generations", "--model_name_or_path", "--lora_r", "--datasets"):
+        assert flag not in short and flag in every, flag
+    assert text.rstrip().endswith("To see every option: dppo-trl --help-all")
+    parser = make_parser()
+    for action in parser._actions:  # the full help lists every option the parser takes, with its help
+        assert action.option_strings[0] in every or action.option_strings[0].startswith("--no"), action.dest
+    # What parses is what did: the dataclasses' fields, -h, --config (taken out by TRL) and --help-all, which is no key.
+    from trl import DatasetMixtureConfig, ModelConfig
+
+    classes = (script_arguments_class(), DPPOConfig, ModelConfig, DatasetMixtureConfig)
+    fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    assert {a.dest for a in parser._actions} == fields | {"help", argparse.SUPPRESS}
+    assert [a.option_strings for a in parser._actions if a.dest == argparse.SUPPRESS] == [
+        ["--help-all", "--help_all"],
+        ["--config"],
+    ]
+
+
+def test_help_and_help_all_print_to_stdout_and_exit_0(capsys, tmp_path):
+    config = write_yaml(tmp_path / "c.yaml", "help_all: true\nuse_cpu: true\nbf16: false\n")
+    for flag, present, absent in [
+        ("--help", "--completion_keep_rate", "--learning_rate FLOAT"),
+        ("--help-all", "--learning_rate FLOAT", None),
+        ("--help_all", "--learning_rate FLOAT", None),
+    ]:
+        with pytest.raises(SystemExit) as error:
+            main([flag])
+        out = capsys.readouterr()
+        assert error.value.code == 0 and present in out.out and not out.err, flag
+        assert absent is None or absent not in out.out
+    with pytest.raises(SystemExit, match="unknown YAML key 'help_all'"):  # a flag, not a key
+        parse(["--config", config])
 
 
 @pytest.mark.subprocess

@@ -1,8 +1,7 @@
 """docs/config.md is generated from ``DPPOConfig`` (its docstring, ``ALLOWED_VALUES``, ``UNUSED_SETTING_RULES``:
 ``python -m dppo_trl.config_reference --write``): the page must equal what the code gives, a docstring that drifts
-from the fields must fail, the CLI's help stays short, and the number check of the validation is one function."""
+from the fields must fail, each field's help stays short, and the number check of the validation is one function."""
 
-import dataclasses
 import math
 
 import pytest
@@ -93,12 +92,16 @@ def test_the_page_links_the_pages_it_points_to():
     assert "`docs/" not in page
 
 
-def test_the_help_is_short_and_points_to_the_reference():
-    for f in dataclasses.fields(DPPOConfig):
-        if f.name in config_reference.dppo_fields():
-            help_text = f.metadata["help"]
-            assert help_text.endswith("See docs/config.md."), f.name
-            assert len(help_text) <= 220, (f.name, len(help_text))
+def test_the_help_is_short_and_the_reference_says_more():
+    # The help= of a field is what `dppo-trl --help` shows (which points to docs/config.md once); the docstring's
+    # description, in docs/config.md, is the full explanation: it says at least as much.
+    _, docs = config_reference.field_docs()
+    described = {d.name: d.text for d in docs}
+    for name, f in config_reference.dppo_fields().items():
+        help_text = f.metadata["help"]
+        assert 0 < len(help_text.split()) <= 40, (name, len(help_text.split()))
+        assert "docs/config.md" not in help_text, name
+        assert len(described[name].split()) > len(help_text.split()), name
 
 
 def test_every_validated_and_warned_field_is_a_dppo_field_or_loss_type():

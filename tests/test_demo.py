@@ -1,4 +1,4 @@
-"""`make demo` end to end, shortened: it builds and warm-starts the tiny model, then trains it through the
+"""`make demo-tiny` end to end, shortened: it builds and warm-starts the tiny model, then trains it through the
 CLI with the shipped cpu-demo recipe and prints the DPPO summary; `prepare` then `dppo-trl --config cpu-demo`
 from the same directory does the same in two commands."""
 

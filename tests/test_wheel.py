@@ -1,16 +1,20 @@
-"""A wheel built from the repository installs into a fresh virtual environment and works there, away from the
-checkout: the recipes ship inside it, `dppo-trl --config NAME` finds them, `dppo-trl --help` lists `--config`
-and the launch options, and `python -m dppo_trl.demo prepare` followed by `dppo-trl --config cpu-demo` trains.
+"""An sdist and a wheel built from the repository (`python -m build`: the wheel is built from the sdist) install
+into a fresh virtual environment and work there, away from the checkout: the metadata `pip show` reads (summary,
+license, classifiers, URLs, the README as long description), the recipes inside it (`dppo-trl --config NAME`
+finds them), `dppo-trl --help`, the README's quick start (examples/quickstart.py), and
+`python -m dppo_trl.demo prepare` followed by `dppo-trl --config cpu-demo`.
 
-Offline: the wheel is built without build isolation (setuptools from this environment), and the fresh venv
+Offline: the build runs without build isolation (setuptools from this environment), and the fresh venv
 reaches this environment's packages (torch, trl, ...) through a .pth line, which adds the directory to its path
 without running the .pth files there (so this checkout's editable install is not active in it)."""
 
+import json
 import os
 import shutil
 import site
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -20,9 +24,10 @@ pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # a wheel build, a venv
 REPO = Path(__file__).parent.parent
 
 
-def run(*args, cwd, timeout=300):
+def run(*args, cwd, timeout=300, **environment):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    env.update(environment)
     out = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{args}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out.stdout
@@ -34,13 +39,14 @@ def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"  # a clean copy: no build/ or egg-info of the checkout goes into the wheel
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, source / name)
     for name in ("dppo_trl", "recipes"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    run(*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", source, "-w", root / "dist", cwd=root)
+    run(sys.executable, "-m", "build", "--no-isolation", "--outdir", root / "dist", source, cwd=root)
+    (sdist,) = (root / "dist").glob("dppo_trl-*.tar.gz")
     (wheel,) = (root / "dist").glob("dppo_trl-*.whl")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
     bindir = venv / ("Scripts" if os.name == "nt" else "bin")
@@ -50,11 +56,38 @@ def installed(tmp_path_factory):
     run(*pip, "--python", python, "install", "--no-deps", "--no-index", wheel, cwd=root)
     work = root / "work"
     work.mkdir()
-    return bindir, work
+    return bindir, work, sdist
+
+
+def test_the_metadata_pip_shows(installed):
+    bindir, work, _ = installed
+    out = run(bindir / "python", "-c", "import json, importlib.metadata as m; d = m.metadata('dppo-trl');"
+              "print(json.dumps({k: d.get_all(k) for k in set(d.keys())}))", cwd=work)
+    meta = json.loads(out)
+    assert "Dynamic Pruning Policy Optimization" in meta["Summary"][0]
+    assert meta["License-Expression"] == ["Apache-2.0"] and meta["License-File"] == ["LICENSE"]
+    assert "Programming Language :: Python :: 3" in meta["Classifier"]
+    assert any(url.startswith("Paper, https://arxiv.org/abs/2603.04135") for url in meta["Project-URL"])
+    assert meta["Description-Content-Type"] == ["text/markdown"]
+    assert meta["Description"][0].strip() == (REPO / "README.md").read_text().strip()
+
+
+def test_the_sdist_holds_what_a_build_needs(installed):
+    *_, sdist = installed
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"pyproject.toml", "README.md", "LICENSE", "dppo_trl/trainer.py", "recipes/cpu-demo.yaml"} <= names
+
+
+def test_the_readme_quick_start_from_the_installed_copy(installed):
+    """examples/quickstart.py (the README's block, tests/test_readme.py) outside the checkout, on the tiny model."""
+    bindir, work, _ = installed
+    out = run(bindir / "python", REPO / "examples" / "quickstart.py", cwd=work, DPPO_TRL_SMOLLM2=str(work / "none"))
+    assert "DPPO summary: 4 steps" in out
 
 
 def test_the_installed_copy_ships_the_recipes_and_lists_them_in_the_help(installed):
-    bindir, work = installed
+    bindir, work, _ = installed
     out = run(
         bindir / "python",
         "-c",
@@ -74,8 +107,8 @@ def test_the_installed_copy_ships_the_recipes_and_lists_them_in_the_help(install
 
 
 def test_prepare_then_dppo_trl_config_cpu_demo(installed):
-    """What the README tells a user of the wheel to run, through the installed console script."""
-    bindir, work = installed
+    """The tiny-model demo of a user of the wheel, through the installed console script (docs/usage.md)."""
+    bindir, work, _ = installed
     out = run(bindir / "python", "-m", "dppo_trl.demo", "prepare", "--sft-steps", "2", cwd=work)
     assert "dppo-trl --config cpu-demo" in out
     out = run(bindir / "dppo-trl", "--config", "cpu-demo", "--max_steps", "2", "--logging_steps", "1", cwd=work)

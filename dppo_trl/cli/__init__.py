@@ -13,9 +13,13 @@ it is refused (see ``launch.process_plan``).
     dppo-trl --config qwen3-4b-math-lora
     dppo-trl --config my.yaml --num_processes 8 --accelerate_config zero2
 
+``dppo-trl --help`` shows DPPO's options, by group, and the launch options; ``dppo-trl --help-all`` shows every
+option, TRL's and transformers' included.
+
 The package, one idea a module: ``arguments`` (what a command line and its YAML mean, checked before anything
-loads), ``launch`` (how a run with launch options gets its processes), ``runtime`` (what TRL's training script
-gets in place of GRPOTrainer and of a dataset load). This module composes them: ``main`` and ``run``.
+loads), ``help`` (what ``--help`` and ``--help-all`` show), ``launch`` (how a run with launch options gets its
+processes), ``runtime`` (what TRL's training script gets in place of GRPOTrainer and of a dataset load). This
+module composes them: ``main`` and ``run``.
 """
 
 from __future__ import annotations

@@ -6,27 +6,13 @@ command line or YAML with one ``CLIError`` line."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import functools
 import json
 import os
 from pathlib import Path
 
-# Launch options shown with their help text in `dppo-trl --help`; the others are listed by name.
-_COMMON_LAUNCH_OPTIONS = (
-    "config_file",
-    "num_processes",
-    "num_machines",
-    "machine_rank",
-    "main_process_ip",
-    "main_process_port",
-    "gpu_ids",
-    "mixed_precision",
-    "multi_gpu",
-    "use_deepspeed",
-    "use_fsdp",
-    "cpu",
-)
 _NOT_LAUNCH_OPTIONS = {"help", "module", "no_python"}  # `accelerate launch` options that dppo-trl sets or refuses
 
 
@@ -104,38 +90,28 @@ def _launch_actions():
 def _make_parser_class():
     from trl import TrlParser
 
+    from .help import full_help, short_help
+
     class DPPOTrlParser(TrlParser):
-        """TRL's parser, whose help also lists ``--config`` (which TRL reads before argparse does) and the
-        ``accelerate launch`` options (which the training parser leaves over, see ``split_launch_args``)."""
+        """TRL's parser, whose help leads with DPPO's options and also lists ``--config`` (which TRL reads before
+        argparse does) and the ``accelerate launch`` options (which the training parser leaves over, see
+        ``split_launch_args``); ``--help-all`` lists every option (``help.py``)."""
 
         def format_help(self) -> str:
-            training = {action.dest for action in self._actions}
-            scratch = argparse.ArgumentParser(add_help=False)
-            scratch.add_argument(
-                "--accelerate_config",
-                metavar="NAME_OR_FILE",
-                help="An accelerate config: one that TRL ships (zero1, zero2, zero3, fsdp1, fsdp2, multi_gpu) "
-                "or a file. It becomes accelerate's --config_file.",
-            )
-            common, others = list(scratch._actions), []
-            for action in _launch_actions():
-                if action.dest in training:  # e.g. gradient_accumulation_steps: the training argument takes it
-                    continue
-                if action.dest in _COMMON_LAUNCH_OPTIONS:
-                    common.append(action)
-                else:
-                    others.append(next(o for o in action.option_strings if o.startswith("--")))
-            formatter = argparse.HelpFormatter(prog=self.prog)
-            formatter.start_section(
-                "launch options (on the command line or as YAML keys; any of them starts the run under "
-                "`accelerate launch`, as with `trl grpo`)"
-            )
-            formatter.add_arguments(common)
-            formatter.add_text("Every other `accelerate launch` option is taken as well: " + ", ".join(others) + ".")
-            formatter.end_section()
-            return super().format_help() + "\n" + formatter.format_help()
+            return short_help(self, _launch_actions(), script_keys())
+
+        def format_full_help(self) -> str:
+            return full_help(self, _launch_actions(), script_keys())
 
     return DPPOTrlParser
+
+
+def script_keys() -> list[str]:
+    """dppo-trl's own keys of the script arguments (``reasoning_gym_*``): those TRL's ``GRPOScriptArguments`` lacks."""
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    trl = {f.name for f in dataclasses.fields(GRPOScriptArguments)}
+    return [f.name for f in dataclasses.fields(script_arguments_class()) if f.name not in trl]
 
 
 @functools.cache
@@ -173,7 +149,7 @@ def script_arguments_class():
         )
         reasoning_gym_instruction: str | None = field(
             default=None,
-            metadata={"help": "Text appended to each question (default: one that asks for the answer format)."},
+            metadata={"help": "Text appended to each question; None: one that asks for the answer format."},
         )
 
         def __post_init__(self):
@@ -200,15 +176,16 @@ def make_parser(prog: str = "dppo-trl"):
     from trl import DatasetMixtureConfig, ModelConfig
 
     from ..config import DPPOConfig
+    from .help import HELP_ALL, HelpAll
 
     recipes = ", ".join(bundled_recipes())
     description = (
-        "DPPO training through TRL's GRPO script: every `trl grpo` argument and YAML key, plus the DPPO fields.\n"
-        "Flags override the YAML. An unknown key or flag stops it before anything loads.\n\n"
-        "  dppo-trl --config qwen3-4b-math-lora                     # a shipped recipe, by name\n"
-        "  dppo-trl --config my.yaml --completion_keep_rate 0.3     # a YAML file, with a flag over it\n"
-        "  dppo-trl --config qwen3-4b-math --num_processes 8 --accelerate_config zero2\n\n"
-        f"shipped recipes: {recipes}"
+        "DPPO training through TRL's GRPO script: every `trl grpo` argument and YAML\n"
+        "key, plus DPPO's. Flags override the YAML; an unknown key or flag stops it\n"
+        "before anything loads.\n\n"
+        "  dppo-trl --config qwen3-4b-math-lora                  # a shipped recipe, by name\n"
+        "  dppo-trl --config my.yaml --completion_keep_rate 0.3  # a YAML file, with a flag over it\n"
+        "  dppo-trl --config qwen3-4b-math --num_processes 8 --accelerate_config zero2"
     )
     parser = _make_parser_class()(
         (script_arguments_class(), DPPOConfig, ModelConfig, DatasetMixtureConfig),
@@ -218,7 +195,11 @@ def make_parser(prog: str = "dppo-trl"):
         description=description,
         formatter_class=_HelpFormatter,
     )
-    # For the help only (listed first): TRL's parse_args_and_config takes `--config PATH` out before argparse.
+    parser._actions[0].help = "Show DPPO's options and the launch options, and exit."  # -h's text, not its action
+    help_all = parser.add_argument(
+        *HELP_ALL, action=HelpAll, dest=argparse.SUPPRESS, help="Show every option, TRL's included, and exit."
+    )
+    # For the help only: TRL's parse_args_and_config takes `--config PATH` out before argparse.
     config = parser.add_argument(
         "--config",
         dest=argparse.SUPPRESS,
@@ -227,8 +208,9 @@ def make_parser(prog: str = "dppo-trl"):
         help=f"A YAML file of any of the keys below, or the name of a shipped recipe ({recipes}).",
     )
     for actions in (parser._actions, parser._optionals._group_actions):
-        actions.remove(config)
-        actions.insert(1, config)  # after -h
+        for position, action in enumerate((help_all, config), 1):  # after -h
+            actions.remove(action)
+            actions.insert(position, action)
     return parser
 
 

@@ -1,0 +1,43 @@
+"""`make demo` (`python -m dppo_trl.side_by_side`): its table from hand-made runs, and a shortened run on the real
+model that writes the table, the plot and the record."""
+
+import json
+
+import pytest
+
+from dppo_trl import side_by_side
+
+
+def run(method, rewards, wall, heldout, kept=1.0):
+    steps = [dict(step=i + 1, wall=wall * (i + 1) / len(rewards), reward=r, kept=kept) for i, r in enumerate(rewards)]
+    return dict(method=method, steps=steps, wall=wall, heldout=heldout)
+
+
+def test_the_summary_compares_each_run_with_grpo():
+    runs = [run("DPPO", [0.1, 0.2, 0.3, 0.5, 0.6, 0.7], wall=40.0, heldout=0.5, kept=0.4),
+            run("GRPO", [0.0, 0.1, 0.2, 0.4, 0.5, 0.9], wall=100.0, heldout=0.45)]
+    dppo, grpo = side_by_side.summary_rows(runs, heldout_start=0.1)
+    assert dppo["time_ratio"] == pytest.approx(0.4) and grpo["time_ratio"] == 1.0
+    assert dppo["reward_start"] == pytest.approx(0.2) and dppo["reward_end"] == pytest.approx(0.6)
+    assert grpo["reward_start"] == pytest.approx(0.1) and grpo["reward_end"] == pytest.approx(0.6)
+    assert (dppo["heldout_start"], dppo["heldout_end"], dppo["kept"]) == (0.1, 0.5, 0.4)
+    lines = side_by_side.table([dppo, grpo]).splitlines()
+    assert lines[2].split()[:4] == ["DPPO", "40", "s", "0.40x"] and lines[3].split()[:4] == ["GRPO", "100", "s", "1.00x"]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_a_short_side_by_side_run_writes_its_table_plot_and_record(tmp_path, capsys):
+    from dppo_trl.smollm2 import ensure
+
+    code = side_by_side.main(["--steps", "2", "--heldout", "4", "--output-dir", str(tmp_path),
+                              "--model", str(ensure(quiet=True))])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "GRPO" in out and "DPPO" in out and "held-out" in out
+    record = json.loads((tmp_path / "grpo_vs_dppo.json").read_text())
+    assert [r["method"] for r in record["runs"]] == ["DPPO", "GRPO"]
+    assert all(len(r["steps"]) == 2 for r in record["runs"])
+    grpo_kept = [s["kept"] for s in record["runs"][1]["steps"]]
+    assert grpo_kept == [1.0, 1.0]  # GRPO trains on every completion
+    assert (tmp_path / "grpo_vs_dppo.png").stat().st_size > 1000
