@@ -90,3 +90,17 @@ def test_no_prose_line_over_120_characters():
 def test_prose_lines_leave_out_code_and_tables():
     text = "a\n```\n" + "x" * 200 + "\n```\n| " + "y" * 200 + " |\nb"
     assert prose_lines(text) == [(1, "a"), (6, "b")]
+
+
+def test_the_gpu_fragment_compiles_and_its_imports_resolve():
+    """The GPU fragment cannot run here; its syntax and every name it imports can be checked."""
+    import ast
+    import importlib
+
+    blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
+    (fragment,) = [b for b in blocks if "Qwen/Qwen3-4B" in b]
+    for node in ast.walk(ast.parse(fragment)):
+        if isinstance(node, ast.ImportFrom):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{node.module} has no {alias.name}"
