@@ -446,6 +446,15 @@ def headline_table(results: dict) -> str:
     return md_table(header, body)
 
 
+def demo_table(data: dict) -> str:
+    """demo.json (``make demo``'s record, ``dppo_trl.side_by_side``): its printed table as markdown."""
+    header = ["method", "wall time", "vs GRPO", "reward: start -> end", "held-out: start -> end", "kept"]
+    body = [[r["method"], f"{r['wall']:.0f} s", f"{r['time_ratio']:.2f}x",
+             f"{r['reward_start']:.2f} -> {r['reward_end']:.2f}", f"{r['heldout_start']:.2f} -> {r['heldout_end']:.2f}",
+             f"{r['kept']:.2f}"] for r in data["rows"]]
+    return md_table(header, body)
+
+
 def audit_table(data: dict) -> str:
     """bench_audit*.json: each run's audit readings (design, keep rate, seed)."""
     def cell(x, spec=".3f"):
@@ -487,6 +496,7 @@ def _reasoning(name, columns, settings=True):
 
 TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of every results file)
     "headline": (ALL_RESULTS, headline_table),
+    "demo": ("demo", demo_table),
     "bench_reasoning": _reasoning("bench_reasoning", FULL_REASONING),
     "bench_reasoning_seconds": ("bench_reasoning", reasoning_seconds_table),
     "bench_reasoning_designs": _reasoning("bench_reasoning_designs", SHORT_REASONING),
