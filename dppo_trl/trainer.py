@@ -35,6 +35,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .config import DPPOConfig, as_dppo_config, audit_sharding_refusal
+from .core.audit import synchronized_clock
 from .core.packing import is_varlen_attention
 from .hooks.audit import GradientAudit
 from .hooks.checkpoint import load_dppo_state, save_dppo_state
@@ -162,7 +163,9 @@ class DPPOTrainer(
         if not self._dppo_now():
             return super()._generate_and_score_completions(inputs)
         with self._scoring_batch(GenerationBatch()) as batch:
+            start = synchronized_clock()
             output = super()._generate_and_score_completions(inputs)
+            batch.generation_seconds = synchronized_clock() - start
         if any(key in output for key in ("pixel_values", "num_images")):
             raise NotImplementedError(
                 "DPPO's training path (completion or prompt pruning, packing) does not support multimodal batches "
@@ -182,7 +185,9 @@ class DPPOTrainer(
         audit_rows = dict(output) if self._audit_this_batch() else None  # this rank's rows before any exchange
         output.update(self._trl_split_of_rows(output, batch))
         output = self._balance_ranks(output, batch)
+        start = synchronized_clock()
         self._run_deferred_logps(output, batch)
+        batch.logps_seconds = synchronized_clock() - start
         if audit_rows is not None:
             batch.audit = self._build_grpo_reference(audit_rows, batch, output)
         output["dppo_weight"] = output["dppo_weight"].to(torch.float32)

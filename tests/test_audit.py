@@ -25,8 +25,11 @@ from dppo_trl.core.audit import (
     compare_gradients,
     dropout_disabled,
     make_sketch,
+    PhaseSeconds,
     measured_error_scale,
+    projected_time_ratios,
     sketch_gradients,
+    step_ratio_at_share,
 )
 from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES
 
@@ -352,6 +355,25 @@ def test_the_audit_logs_its_metrics_and_the_summary_line_reports_it(tmp_path, ti
     t = bias_t(projections)
     expected = f"audits 3, median cosine {statistics.median(cosines):.3f}, bias t {t:.2f} over 3 audits"
     assert expected in line
+    timed = [h for h in trainer.state.log_history if "dppo/audit_step_time_ratio" in h]
+    assert len(timed) == 3
+    for h in timed:
+        share, train_ratio = h["dppo/audit_generation_share"], h["dppo/audit_train_time_ratio"]
+        assert 0 < share < 1 and train_ratio > 0
+        assert h["dppo/audit_step_time_ratio"] == pytest.approx(step_ratio_at_share(train_ratio, share), rel=1e-3)
+    assert "measured time ratio: training " in line and "of GRPO's (generation " in line
+
+
+def test_the_projected_time_ratios_from_phase_seconds():
+    grpo, dppo = PhaseSeconds(generation=2.0, logps=1.0, gradient=3.0), PhaseSeconds(2.0, 0.5, 1.0)
+    ratios = projected_time_ratios(grpo, dppo)
+    assert ratios == pytest.approx({"train_time_ratio": 1.5 / 4.0, "step_time_ratio": 3.5 / 6.0,
+                                    "generation_share": 2.0 / 6.0})
+    assert ratios["step_time_ratio"] == pytest.approx(step_ratio_at_share(ratios["train_time_ratio"], 2.0 / 6.0))
+    twice = projected_time_ratios(grpo, dppo, num_iterations=2)  # the gradient passes run once per iteration
+    assert twice["train_time_ratio"] == pytest.approx(2.5 / 7.0) and twice["generation_share"] == pytest.approx(2.0 / 9.0)
+    assert projected_time_ratios(PhaseSeconds(1.0, 0.0, 0.0), dppo) is None
+    assert step_ratio_at_share(0.25, 0.9) == pytest.approx(0.925) and step_ratio_at_share(0.25, 0.0) == 0.25
 
 
 def test_the_measured_error_source_uses_earlier_audits_only(tmp_path, tiny_model_dir, train_dataset):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -188,3 +189,55 @@ def measured_error_scale(ratios: list[float]) -> float:
     median of the audited batches' ratios so far, 1.0 before the first audit."""
     finite = [r for r in ratios if math.isfinite(r) and r > 0]
     return statistics.median(finite) if finite else 1.0
+
+
+@dataclass(frozen=True)
+class PhaseSeconds:
+    """Seconds of one generation batch's phases for one method, as an audit measures them at the same parameters.
+
+    Args:
+        generation: TRL's generation and scoring of the batch (the same for GRPO and DPPO).
+        logps: the old-policy and reference log-prob passes (GRPO: every row; DPPO: the kept rows).
+        gradient: one forward and backward over the batch's micro-batches (once per iteration).
+    """
+
+    generation: float
+    logps: float
+    gradient: float
+
+
+def projected_time_ratios(grpo: PhaseSeconds, dppo: PhaseSeconds, num_iterations: int = 1) -> dict | None:
+    """DPPO's training and step time as ratios to GRPO's, from one audited batch's phases.
+
+    Training is the log-prob passes plus ``num_iterations`` gradient passes. The step is generation plus
+    training; what neither phase covers (optimizer, logging) is left out, so the step ratio is a projection.
+
+    Args:
+        grpo, dppo: the phases of each method on the same batch (``generation`` is read from ``grpo``).
+        num_iterations: TRL's ``num_iterations``, the gradient passes per generation batch.
+
+    Returns:
+        ``{"train_time_ratio", "step_time_ratio", "generation_share"}`` (the share of generation in GRPO's step),
+        or None when GRPO's phases took no time.
+    """
+    grpo_train = grpo.logps + num_iterations * grpo.gradient
+    dppo_train = dppo.logps + num_iterations * dppo.gradient
+    grpo_step = grpo.generation + grpo_train
+    if grpo_train <= 0 or grpo_step <= 0:
+        return None
+    return {"train_time_ratio": dppo_train / grpo_train,
+            "step_time_ratio": (grpo.generation + dppo_train) / grpo_step,
+            "generation_share": grpo.generation / grpo_step}
+
+
+def step_ratio_at_share(train_time_ratio: float, generation_share: float) -> float:
+    """The step ratio on a machine where generation takes ``generation_share`` of GRPO's step and DPPO changes
+    training only: ``s + (1 - s) * train_time_ratio``."""
+    return generation_share + (1.0 - generation_share) * train_time_ratio
+
+
+def synchronized_clock() -> float:
+    """``time.perf_counter()`` once queued GPU work has finished (a phase's seconds include its kernels)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()

@@ -26,6 +26,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 from ..core.audit import (
     BIAS_ALARM_MIN_AUDITS,
     BIAS_ALARM_T,
+    PhaseSeconds,
     audited_batch,
     bias_alarm,
     bias_t,
@@ -34,7 +35,9 @@ from ..core.audit import (
     has_dropout,
     make_sketch,
     measured_error_scale,
+    projected_time_ratios,
     sketch_gradients,
+    synchronized_clock,
 )
 from ..core.batch import loss_mask
 from ..core.trl_formulas import vllm_importance_sampling_ratio
@@ -59,11 +62,12 @@ class GradientAudit:
 
     def _audit_records(self) -> dict:
         """Per-run audit results: audits run, batches without signal, cosines, measured-to-model error ratios, the
-        projections that enter the bias statistic, its t after each, the counted audit at which it first alarmed
-        (for the summary line, the measured adaptive keep rate and checkpoints)."""
+        projections that enter the bias statistic, its t after each, the counted audit at which it first alarmed,
+        the measured time ratios (for the summary line, the measured adaptive keep rate and checkpoints)."""
         if "_audit_log" not in self.__dict__:
             self._audit_log = {"audits": 0, "no_signal": 0, "cosine": [], "ratio": [], "projection": [],
-                               "bias_t": [], "alarm_at": None}
+                               "bias_t": [], "alarm_at": None,
+                               "train_time_ratio": [], "step_time_ratio": [], "generation_share": []}
         return self._audit_log
 
     def _audit_this_batch(self) -> bool:
@@ -131,6 +135,7 @@ class GradientAudit:
         input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)[forward]
         attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)[forward]
         logits_to_keep, size = rows["completion_ids"].size(1), self.args.per_device_train_batch_size
+        forward_start = synchronized_clock()
         with torch.random.fork_rng(devices=self._audit_rng_devices()), self._grpo_reference():
             for name, model in zip(names, calls):
                 values = dppo_rows[name][:local_rows].clone()
@@ -140,13 +145,16 @@ class GradientAudit:
                         logps = self._logps_of(model, input_ids, attention_mask, logits_to_keep, size).to(values.dtype)
                     values[forward] = torch.where(kept[forward, None], values[forward], logps)
                 rows[name] = values
+        forward_seconds = synchronized_clock() - forward_start
+        # GRPO forwards every row: the rows forwarded here, scaled to all (DPPO's time where none was forwarded).
+        grpo_logps = forward_seconds * local_rows / forward.numel() if forward.numel() else batch.logps_seconds
         if "importance_sampling_ratio" in rows:
             rows["importance_sampling_ratio"] = vllm_importance_sampling_ratio(
                 rows["old_per_token_logps"], rows["sampling_per_token_logps"], loss_mask(rows),
                 self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
                 self.vllm_importance_sampling_clip_max,
             ).to(rows["importance_sampling_ratio"].dtype)
-        return AuditReference(rows, kind, time.perf_counter() - start)
+        return AuditReference(rows, kind, time.perf_counter() - start, grpo_logps if names else 0.0)
 
     def _audit_generation_batch(self, batch: GenerationBatch, dppo_microbatches: list[dict]) -> None:
         """Compare GRPO's and DPPO's gradients of the batch just prepared (``batch.audit``, DPPO's
@@ -165,13 +173,17 @@ class GradientAudit:
             torch.set_rng_state(batch.trl_split_rng_state)
             reference = shuffle_sequence_dict(audit.rows)
         grpo_batches = split_tensor_dict(reference, self.args.steps_per_generation)
-        grpo, dppo = self._audited_gradients(grpo_batches, dppo_microbatches)
+        (grpo, dppo), (grpo_seconds, dppo_seconds) = self._audited_gradients(grpo_batches, dppo_microbatches)
         self._record_audit(dppo, grpo, time.perf_counter() - start, batch)
+        generation = batch.generation_seconds
+        self._record_audit_times(PhaseSeconds(generation, audit.grpo_logps_seconds, grpo_seconds),
+                                 PhaseSeconds(generation, batch.logps_seconds, dppo_seconds))
 
     def _audited_gradients(self, grpo_batches: list[dict], dppo_batches: list[dict]) -> tuple:
-        """The sketched sums, over each list of micro-batches, of the gradient of what ``training_step`` back-
-        propagates (TRL's ``compute_loss``, which scales for accumulation itself), reduced over ranks as DDP
-        reduces the gradient (a mean); both with dropout off (``model.training`` stays True); RNG, dropout
+        """``((grpo, dppo), (grpo seconds, dppo seconds))``: the sketched sums, over each list of micro-batches, of
+        the gradient of what ``training_step`` backpropagates (TRL's ``compute_loss``, which scales for
+        accumulation itself), reduced over ranks as DDP reduces the gradient (a mean), and the seconds of this
+        rank's forward and backward passes; both with dropout off (``model.training`` stays True); RNG, dropout
         settings, logged metrics and loss state as they were before."""
         model = self.accelerator.unwrap_model(self.model)
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -183,27 +195,33 @@ class GradientAudit:
         try:
             with torch.random.fork_rng(devices=self._audit_rng_devices()), dropout_disabled(self.model):
                 with self._grpo_reference():
-                    grpo = self._sketched_gradient(model, params, grpo_batches)
-                dppo = self._sketched_gradient(model, params, dppo_batches)
+                    grpo, grpo_seconds = self._sketched_gradient(model, params, grpo_batches)
+                dppo, dppo_seconds = self._sketched_gradient(model, params, dppo_batches)
         finally:
             self._metrics["train"].clear()
             self._metrics["train"].update(saved_metrics)
             for name, value in saved_state.items():
                 setattr(self, name, value)
+        seconds = (grpo_seconds, dppo_seconds)
         if self.accelerator.num_processes == 1:
-            return grpo, dppo
+            return (grpo, dppo), seconds
         both = self.accelerator.reduce(torch.stack([grpo, dppo]).to(self.accelerator.device), reduction="mean")
-        return both[0].cpu(), both[1].cpu()
+        return (both[0].cpu(), both[1].cpu()), seconds
 
-    def _sketched_gradient(self, model, params, batches) -> torch.Tensor:
+    def _sketched_gradient(self, model, params, batches) -> tuple[torch.Tensor, float]:
+        """The sketched sum of the micro-batches' gradients, and the seconds of their forward and backward passes
+        (the sketching left out)."""
         total = torch.zeros(self._audit_sketch.dim, dtype=torch.float64)  # on the CPU
+        seconds = 0.0
         for batch in batches:
+            start = synchronized_clock()
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, batch)
             grads = self._gradients_of(loss, [p for _, p in params])
+            seconds += synchronized_clock() - start
             sketch_gradients(self._audit_sketch, [(n, g, p.numel()) for (n, p), g in zip(params, grads)], out=total)
             del grads, loss
-        return total
+        return total, seconds
 
     def _gradients_of(self, loss, params: list) -> list:
         """``d loss / d params``, every ``.grad`` as it was after: ``torch.autograd.grad``; under reentrant
@@ -242,6 +260,18 @@ class GradientAudit:
                 self._add_to_bias_statistic(comparison["projection"])
         metrics["dppo/audit_seconds"].append(seconds)
 
+    def _record_audit_times(self, grpo: PhaseSeconds, dppo: PhaseSeconds) -> None:
+        """Log what pruning saves on this machine, from the audited batch's phases at the same parameters:
+        ``dppo/audit_train_time_ratio`` (log-prob and gradient passes), ``dppo/audit_step_time_ratio`` (with
+        generation, projected) and ``dppo/audit_generation_share`` (generation's share of GRPO's step)."""
+        ratios = projected_time_ratios(grpo, dppo, self.num_iterations)
+        if ratios is None:
+            return
+        records, metrics = self._audit_records(), self._metrics["train"]
+        for name, value in ratios.items():
+            metrics[f"dppo/audit_{name}"].append(value)
+            records[name].append(value)
+
     def _add_to_bias_statistic(self, projection: float) -> None:
         records, metrics = self._audit_records(), self._metrics["train"]
         records["projection"].append(projection)
@@ -274,6 +304,10 @@ class GradientAudit:
         t, counted = bias_t(records["projection"]), len(records["projection"])
         if t is not None:
             parts.append(f"bias t {t:.2f} over {counted} audits")
+        if records["step_time_ratio"]:
+            parts.append(f"measured time ratio: training {statistics.median(records['train_time_ratio']):.2f}, "
+                         f"step {statistics.median(records['step_time_ratio']):.2f} of GRPO's (generation "
+                         f"{statistics.median(records['generation_share']):.0%} of its step)")
         if records["alarm_at"] is not None:
             parts.append(f"BIAS ALARM (|t| > {BIAS_ALARM_T:g} at audit {records['alarm_at']})")
         elif counted >= BIAS_ALARM_MIN_AUDITS:

@@ -15,11 +15,13 @@ BATCH_KEY = "dppo_generation_batch"
 @dataclasses.dataclass
 class AuditReference:
     """The audited batch's rows as GRPO has them (empty when the batch has no signal), what the batch is
-    (``hooks.audit``'s kinds), and the seconds its log-prob passes took."""
+    (``hooks.audit``'s kinds), the seconds building it took, and the seconds GRPO's log-prob passes over every
+    row would take (measured on the rows forwarded, scaled to all of them)."""
 
     rows: dict
     kind: str
     seconds: float
+    grpo_logps_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -39,6 +41,8 @@ class GenerationBatch:
         prune_summary: ``(keep rate, estimated pruning error)``, None without ``pi``.
         trl_split_rng_state: the CPU RNG state TRL's shuffle of this batch draws from.
         audit: GRPO's version of this rank's rows when the batch is audited, else None.
+        generation_seconds: TRL's generation and scoring of the batch on this rank.
+        logps_seconds: DPPO's deferred log-prob passes over the kept rows on this rank.
     """
 
     deferred_calls: list = dataclasses.field(default_factory=list)
@@ -53,6 +57,8 @@ class GenerationBatch:
     prune_summary: tuple[float, float] | None = None
     trl_split_rng_state: torch.Tensor | None = None
     audit: AuditReference | None = None
+    generation_seconds: float = 0.0
+    logps_seconds: float = 0.0
 
     @property
     def sequence_lengths(self) -> torch.Tensor:

@@ -48,7 +48,7 @@ def coarse_reward(completions, **kwargs):
     return [float(len(c) > 3) for c in completions]
 
 
-_TIMING = ("runtime", "per_second", "seconds", "profiling", "time")
+_TIMING = ("runtime", "per_second", "seconds", "profiling", "time", "generation_share")
 
 
 def _values(tensor: torch.Tensor) -> list:
