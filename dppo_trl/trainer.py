@@ -35,7 +35,6 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .config import DPPOConfig, as_dppo_config, audit_sharding_refusal
-from .core.audit import synchronized_clock
 from .core.packing import is_varlen_attention
 from .hooks.audit import GradientAudit
 from .hooks.checkpoint import load_dppo_state, save_dppo_state
@@ -162,10 +161,10 @@ class DPPOTrainer(
         under ``BATCH_KEY``."""
         if not self._dppo_now():
             return super()._generate_and_score_completions(inputs)
-        with self._scoring_batch(GenerationBatch()) as batch:
-            start = synchronized_clock()
+        audited = self._audit_this_batch()
+        with self._scoring_batch(GenerationBatch()) as batch, self._audit_timer(audited) as generation:
             output = super()._generate_and_score_completions(inputs)
-            batch.generation_seconds = synchronized_clock() - start
+        batch.generation_seconds = generation.seconds
         if any(key in output for key in ("pixel_values", "num_images")):
             raise NotImplementedError(
                 "DPPO's training path (completion or prompt pruning, packing) does not support multimodal batches "
@@ -182,12 +181,12 @@ class DPPOTrainer(
             self._log_pruning_metrics(batch, scores)
         local, device = self._local(output["advantages"].size(0)), output["advantages"].device
         output["dppo_keep"], output["dppo_weight"] = batch.keep[local].to(device), batch.weights[local].to(device)
-        audit_rows = dict(output) if self._audit_this_batch() else None  # this rank's rows before any exchange
+        audit_rows = dict(output) if audited else None  # this rank's rows before any exchange
         output.update(self._trl_split_of_rows(output, batch))
         output = self._balance_ranks(output, batch)
-        start = synchronized_clock()
-        self._run_deferred_logps(output, batch)
-        batch.logps_seconds = synchronized_clock() - start
+        with self._audit_timer(audited) as logps:
+            self._run_deferred_logps(output, batch)
+        batch.logps_seconds = logps.seconds
         if audit_rows is not None:
             batch.audit = self._build_grpo_reference(audit_rows, batch, output)
         output["dppo_weight"] = output["dppo_weight"].to(torch.float32)

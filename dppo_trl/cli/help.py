@@ -150,8 +150,9 @@ def _section(formatter, title: str, actions, text=None, after=None, defaults: bo
     if text:
         formatter.add_text(text)
     items = [shown(a) for a in actions]
-    for item in items if not defaults else ():
-        item.default = argparse.SUPPRESS
+    if not defaults:
+        for item in items:
+            item.default = argparse.SUPPRESS
     formatter.add_arguments(items)
     if after:
         formatter.add_text(after)

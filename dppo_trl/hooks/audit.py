@@ -18,6 +18,7 @@ import contextlib
 import logging
 import statistics
 import time
+import types
 
 import torch
 from trl.models.utils import disable_gradient_checkpointing
@@ -80,6 +81,18 @@ class GradientAudit:
         if self.args.adaptive_keep_error_source != "audit":
             return 1.0
         return measured_error_scale(self._audit_records()["ratio"])
+
+    @contextlib.contextmanager
+    def _audit_timer(self, audited: bool):
+        """Times the block into the yielded ``.seconds`` on an audited batch, with a GPU sync on each side; on any
+        other batch it syncs nothing and ``.seconds`` stays 0 (training's hot path pays nothing)."""
+        timer = types.SimpleNamespace(seconds=0.0)
+        if not audited:
+            yield timer
+            return
+        start = synchronized_clock()
+        yield timer
+        timer.seconds = synchronized_clock() - start
 
     @contextlib.contextmanager
     def _grpo_reference(self):

@@ -41,8 +41,8 @@ class GenerationBatch:
         prune_summary: ``(keep rate, estimated pruning error)``, None without ``pi``.
         trl_split_rng_state: the CPU RNG state TRL's shuffle of this batch draws from.
         audit: GRPO's version of this rank's rows when the batch is audited, else None.
-        generation_seconds: TRL's generation and scoring of the batch on this rank.
-        logps_seconds: DPPO's deferred log-prob passes over the kept rows on this rank.
+        generation_seconds: TRL's generation and scoring of the batch on this rank (audited batches; else 0).
+        logps_seconds: DPPO's deferred log-prob passes over the kept rows on this rank (audited batches; else 0).
     """
 
     deferred_calls: list = dataclasses.field(default_factory=list)
