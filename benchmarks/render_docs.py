@@ -108,7 +108,7 @@ def rows(name: str, data: dict) -> dict[str, dict]:
     ``sft-<steps>`` (bench_variance), ``table/method`` (bench_e2e), ``world/keep`` (bench_balance), a variant
     (bench_train); ``-`` is the whole file."""
     out = {"-": data}
-    if name.startswith("bench_reasoning") or name in ("bench_gpu", "bench_real", "bench_real_vllm"):
+    if name.startswith(("bench_reasoning", "bench_real")) or name == "bench_gpu":
         out.update({r["method"]: r for r in data["results"]})
     elif name == "bench_variance":
         out.update({f"{r['loss_type']}/{r['design']}": r for r in data["summary"]})
@@ -424,6 +424,76 @@ def real_table(data: dict) -> str:
     return md_table(header, body)
 
 
+REAL_LABELS = {"grpo": "GRPO (TRL)", "dppo": "DPPO (keep 0.5)", "dppo+prompt": "DPPO + prompt pruning (0.5)",
+               "dppo+audit": "DPPO, every other batch audited"}
+
+
+def _reached(r, key):
+    """``mean ± SE (k/n)`` over the seeds that reached the target; one seed's value without an SE."""
+    if r[key + "_mean"] is None:
+        return f"- ({r[key + '_reached']})"
+    mean, se, reached = r[key + "_mean"], r[key + "_se"], r[key + "_reached"]
+    return f"{mean:.2f} ({reached})" if reached.startswith("1/") else f"{mean:.2f} ± {se:.2f} ({reached})"
+
+
+def learning_table(data: dict) -> str:
+    """bench_real*_learning.json: per method, the steps and the time to 90% of GRPO's rise as ratios to GRPO's
+    (mean ± SE over the seeds that reached it), and the final held-out score's paired difference with its 95%
+    interval."""
+    header = ["method", "seeds", "steps to target: training reward", "steps: held-out score",
+              "time to target: training reward", "time: held-out score", "held-out minus GRPO's, 95% CI",
+              "non-inferior (CI above -0.05)"]
+    body = []
+    for r in data["results"]:
+        if r["method"] == "grpo":
+            continue
+        ci = r["heldout_final_diff_ci"]
+        body.append([REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
+                     _reached(r, "heldout_steps_to_90_ratio"), _reached(r, "time_to_90_ratio"),
+                     _reached(r, "heldout_time_to_90_ratio"),
+                     "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                     "yes" if r["heldout_non_inferior"] else "no"])
+    return md_table(header, body)
+
+
+PHASE_VARIANTS = (("dapo", "`dapo` (TRL's default)"), ("grpo", "`grpo`"), ("dr_grpo", "`dr_grpo`"),
+                  ("gspo", "GSPO (`importance_sampling_level=\"sequence\"`)"))
+
+
+def phases_table(results: dict) -> str:
+    """bench_real_phases_*.json: per loss (and GSPO) and method, GRPO's seconds per step and each method's time per
+    step by phase as a ratio to GRPO's (the mean over the steps after the first, with its SE)."""
+    header = ["loss", "method", "GRPO's step", "step vs GRPO", "generation", "log-prob passes", "loss fwd + bwd",
+              "rest", "all but generation"]
+    body = []
+    for variant, label in PHASE_VARIANTS:
+        data = results.get(f"bench_real_phases_{variant}")
+        if data is None:
+            continue
+        grpo = rows(f"bench_real_phases_{variant}", data)["grpo"]
+        for r in data["results"]:
+            if r["method"] in ("grpo", "dppo+audit"):
+                continue
+            ratio = r["phase_ratios"]
+            cell = lambda name: "-" if ratio[name] is None else pm(*ratio[name], 2)  # noqa: E731
+            body.append([label, REAL_LABELS.get(r["method"], r["method"]), f"{grpo['phase_seconds']['step']:.1f} s",
+                         cell("step"), cell("generation"), cell("logps"), cell("loss"), cell("rest"),
+                         cell("training")])
+    return md_table(header, body)
+
+
+def projection_table(data: dict) -> str:
+    """bench_real*_learning.json's ``projection``: the time to the training-reward target over GRPO's (± SE) and
+    the speedup, by generation's share of GRPO's step (a row) and method (a column)."""
+    methods = list(dict.fromkeys(p["method"] for p in data["projection"]))
+    shares = sorted({p["generation_share"] for p in data["projection"]})
+    at = {(p["method"], p["generation_share"]): p for p in data["projection"]}
+    header = ["generation's share of GRPO's step"] + [REAL_LABELS.get(m, m) for m in methods]
+    body = [[f"{s:.0%}"] + [f"{at[m, s]['time_ratio']:.2f} ± {at[m, s]['time_ratio_se']:.2f} "
+                            f"({1 / at[m, s]['time_ratio']:.2f}x)" for m in methods] for s in shares]
+    return md_table(header, body)
+
+
 ALL_RESULTS = "*"  # a TABLES entry whose function reads every results file
 HEADLINE_RUNS = (("bench_real", "transformers"), ("bench_real_vllm", "vLLM, colocated"))
 
@@ -443,6 +513,27 @@ def headline_table(results: dict) -> str:
                      pm(dppo["training_phase_ratio_mean"], dppo["training_phase_ratio_se"]),
                      f"{dppo['kept_fraction']:.0%}", pm(dppo["final_reward_diff_mean"], dppo["final_reward_diff_se"]),
                      f"{grpo['heldout_final_mean']:.3f} -> {dppo['heldout_final_mean']:.3f}"])
+    return md_table(header, body)
+
+
+def headline_speed_table(data: dict) -> str:
+    """README's second headline: the speedup in two factors on the real model (bench_real_learning.json): learning
+    per step (steps to 90% of GRPO's rise), the final held-out score's paired difference, the training time per
+    step (paired runs), and their product at a GPU-like generation share."""
+    share = data["projection_sources"]["typical_gpu_generation_share"]
+    at = {p["method"]: p for p in data["projection"] if abs(p["generation_share"] - share) < 1e-9}
+    header = ["method", "seeds", "steps to target: reward", "steps: held-out", "held-out minus GRPO's, 95% CI",
+              f"projected speedup at {share:.0%} generation"]
+    body = []
+    for r in data["results"]:
+        if r["method"] == "grpo":
+            continue
+        ci = r["heldout_final_diff_ci"]
+        speed = at.get(r["method"])
+        body.append([REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
+                     _reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"),
+                     "-" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                     "-" if speed is None else f"{1 / speed['time_ratio']:.2f}x"])
     return md_table(header, body)
 
 
@@ -512,6 +603,10 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_train": ("bench_train", train_table),
     "bench_real": ("bench_real", real_table),
     "bench_real_vllm": ("bench_real_vllm", real_table),
+    "bench_real_learning": ("bench_real_learning", learning_table),
+    "headline_speed": ("bench_real_learning", headline_speed_table),
+    "bench_real_projection": ("bench_real_learning", projection_table),
+    "bench_real_phases": (ALL_RESULTS, phases_table),
     "bench_audit": ("bench_audit", audit_table),
     "bench_audit_countdown": ("bench_audit_countdown", audit_table),
     "bench_audit_alarm": ("bench_audit_alarm", audit_alarm_table),

@@ -83,6 +83,32 @@ def test_the_real_model_table_from_a_small_dict():
     assert table[4].startswith("| once | 0.410 (one seed) | 1/2 |")  # no SE from a single seed
 
 
+def _target_row(method, **changes):
+    row = {"method": method, "seeds": [0, 1, 2], "heldout_final_diff_mean": 0.01, "heldout_final_diff_ci": [-0.04, 0.06],
+           "heldout_non_inferior": True}
+    for key in ("steps_to_90_ratio", "time_to_90_ratio", "heldout_steps_to_90_ratio", "heldout_time_to_90_ratio"):
+        row.update({f"{key}_mean": 0.8, f"{key}_se": 0.05, f"{key}_reached": "3/3"})
+    return {**row, **changes}
+
+
+def test_the_learning_and_projection_tables_from_a_small_dict():
+    grpo = _target_row("grpo")
+    once = _target_row("dppo+prompt", heldout_steps_to_90_ratio_reached="1/3", heldout_final_diff_ci=[-0.09, 0.02],
+                       heldout_non_inferior=False, steps_to_90_ratio_mean=None, steps_to_90_ratio_reached="0/3")
+    table = render_docs.learning_table({"results": [grpo, _target_row("dppo"), once]}).splitlines()
+    assert len(table) == 4  # GRPO's own row (all 1) is left out
+    assert table[2] == ("| DPPO (keep 0.5) | 3 | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | "
+                        "0.80 ± 0.05 (3/3) | +0.010 [-0.040, +0.060] | yes |")
+    assert table[3].startswith("| DPPO + prompt pruning (0.5) | 3 | - (0/3) | 0.80 (1/3) |") and table[3].endswith("| no |")
+    projection = [{"method": "dppo", "generation_share": s, "time_ratio": t, "time_ratio_se": 0.01}
+                  for s, t in ((0.1, 0.25), (0.7, 0.5))]
+    assert render_docs.projection_table({"projection": projection}).splitlines()[2:] == [
+        "| 10% | 0.25 ± 0.01 (4.00x) |", "| 70% | 0.50 ± 0.01 (2.00x) |"]
+    data = {"results": [grpo, _target_row("dppo")], "projection": projection,
+            "projection_sources": {"typical_gpu_generation_share": 0.7}}
+    assert render_docs.headline_speed_table(data).splitlines()[2].endswith("| [-0.040, +0.060] | 2.00x |")
+
+
 def test_inline_values_read_fields_ratios_and_ranges():
     results = {"bench_reasoning": {"results": [
         {"method": "grpo", "total_s": 180.0, "ratio": 1.0, "phase": {"generation": 0.45}, "tokens": 202845.0},

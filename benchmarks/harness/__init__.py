@@ -9,6 +9,9 @@ its setup and its figures.
 - ``report``: text and markdown tables, ``pm`` (mean ± SE), ``plot_runs`` (curves, e.g. ``reward_panels``, and
   the time breakdown), the JSON results (``benchmarks/results/``: ``result_path``, ``write_json``, ``read_json``,
   ``runs_path``).
+- ``targets``: the speedup in two factors: steps and time to 90% of GRPO's rise per seed (``target_figures``),
+  seconds per step by phase against GRPO's (``phase_ratios``), their product projected over generation shares
+  (``projection``).
 - ``setups``: the countdown and SmolLM2 + reasoning-gym setups, their held-out evaluations, vLLM on a CPU,
   ``group_advantages`` (TRL's, of simulated rewards), ``config_default`` (``DPPOConfig``'s defaults) and
   ``suite_helper`` (a helper module of ``tests/``).
@@ -34,6 +37,7 @@ from .report import (
     Panel,
     md_table,
     phase_shares,
+    plot_projection,
     plot_runs,
     pm,
     print_table,
@@ -56,12 +60,23 @@ from .setups import (
     suite_helper,
     vllm_on_cpu,
 )
+from .targets import (
+    SHARES,
+    STEP_PHASE_LABELS,
+    STEP_PHASES,
+    median_phase_ratios,
+    phase_means,
+    phase_ratios,
+    projection,
+    target_figures,
+)
 from .training import PHASE_LABELS, PHASES, clock, data_progress, run_methods, run_one, timed, warm_up
 
 __all__ = [
-    "LORA", "PHASES", "PHASE_LABELS", "Panel", "budget_figures", "clock", "config_default", "cost_figures",
+    "LORA", "PHASES", "PHASE_LABELS", "SHARES", "STEP_PHASES", "STEP_PHASE_LABELS", "median_phase_ratios", "phase_means", "phase_ratios",
+    "projection", "target_figures", "Panel", "budget_figures", "clock", "config_default", "cost_figures",
     "countdown_accuracy", "countdown_setup", "data_progress", "eval_curve", "group_advantages", "md_table",
-    "mean_se", "phase_shares", "plot_runs", "pm", "pooled", "print_table", "read_json", "reasoning_gym_score",
+    "mean_se", "phase_shares", "plot_projection", "plot_runs", "pm", "pooled", "print_table", "read_json", "reasoning_gym_score",
     "reasoning_gym_setup", "result_path", "reward_curve", "reward_panels", "run_methods", "run_one", "runs_path",
     "seed_mean", "suite_helper", "summarize", "summarize_at_budget", "text_table", "time_to",
     "time_to_target_ratio", "timed", "trailing_mean", "vllm_on_cpu", "warm_up", "without_per_seed", "write_json",

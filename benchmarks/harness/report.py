@@ -148,3 +148,33 @@ def plot_runs(runs, rows, panels, directory, prefix, breakdown_title) -> list[st
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
     return [str(p) for p in written]
+
+
+def plot_projection(projection, path, paper_speedup=None, typical_share=None) -> str:
+    """``path`` (a PNG): each method's projected speedup over GRPO (1 / time ratio, with its SE) against the share
+    of generation in GRPO's step, with the paper's speedup and a typical GPU share marked where given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for method in dict.fromkeys(p["method"] for p in projection):
+        mine = [p for p in projection if p["method"] == method]
+        speed = [1 / p["time_ratio"] for p in mine]
+        err = [p["time_ratio_se"] / p["time_ratio"] ** 2 for p in mine]  # the SE of 1/x, to first order
+        ax.errorbar([p["generation_share"] for p in mine], speed, yerr=err, marker="o", ms=3, capsize=2, label=method)
+    if paper_speedup:
+        ax.axhline(paper_speedup, color="grey", ls="--", lw=1, label=f"paper: {paper_speedup}x")
+    if typical_share:
+        ax.axvline(typical_share, color="grey", ls=":", lw=1, label=f"typical GPU run: {typical_share:.0%}")
+    ax.axhline(1.0, color="black", lw=0.6)
+    ax.set(xlabel="generation's share of GRPO's step", ylabel="speedup over GRPO to the target (x)",
+           title="Learning per step x time per step, projected")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

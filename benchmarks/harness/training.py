@@ -11,6 +11,7 @@ import time
 import torch
 
 PHASES = ("generation", "scoring", "loss", "other")
+AUDIT_TIMES = ("train_time_ratio", "step_time_ratio", "generation_share")
 PHASE_LABELS = {
     "generation": "generation",
     "scoring": "rewards + log-prob passes",
@@ -21,12 +22,15 @@ PHASE_LABELS = {
 
 def timed(trainer_cls):
     """A subclass of ``trainer_cls`` that clocks TRL's phases: ``_generate`` (rollouts), the rest of
-    ``_generate_and_score_completions`` (rewards, advantages, log-prob passes, DPPO's pruning), and the rest
-    of ``training_step`` (loss forward + backward). It also records each generation batch's reward and tokens."""
+    ``_generate_and_score_completions`` (rewards, advantages, log-prob passes, DPPO's pruning; of which the
+    log-prob passes, ``bench_logps``, apart), and the rest of ``training_step`` (loss forward + backward). It also
+    records each generation batch's reward and tokens."""
 
     class Timed(trainer_cls):
         def _bench_reset(self):
             self.bench_phase = dict.fromkeys(PHASES[:-1], 0.0)
+            self.bench_logps = 0.0  # the log-prob passes of scoring (part of its phase), timed apart
+            self._bench_in_scoring = False
             self.bench_generations = []
             self._bench_prompt_weights = None
 
@@ -42,9 +46,22 @@ def timed(trainer_cls):
             self._bench_prompt_weights = weights.detach().double().cpu()
             return weights, normalizer
 
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            if not getattr(self, "_bench_in_scoring", False):  # the loss pass: its own phase
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            finally:
+                self.bench_logps += time.perf_counter() - start
+
         def _generate_and_score_completions(self, inputs):
             start, generation_before = time.perf_counter(), self.bench_phase["generation"]
-            output = super()._generate_and_score_completions(inputs)
+            self._bench_in_scoring = True
+            try:
+                output = super()._generate_and_score_completions(inputs)
+            finally:
+                self._bench_in_scoring = False
             total = time.perf_counter() - start
             self.bench_phase["scoring"] += total - (self.bench_phase["generation"] - generation_before)
             self.bench_phase["loss"] -= total  # training_step's clock below contains this call
@@ -129,7 +146,7 @@ def clock(trainer, evaluate, eval_every, budget, progress=None):
         def on_train_begin(self, args, state, control, **kwargs):
             trainer._bench_reset()
             self.start = time.perf_counter()
-            self.last_phase = dict(trainer.bench_phase)
+            self.last_phase, self.last_logps = dict(trainer.bench_phase), trainer.bench_logps
             self.last_wall, self.next_eval = 0.0, eval_every
             self._evaluate(state)
 
@@ -137,8 +154,9 @@ def clock(trainer, evaluate, eval_every, budget, progress=None):
             wall = self.wall()
             phase = {k: trainer.bench_phase[k] - self.last_phase[k] for k in trainer.bench_phase}
             phase["other"] = (wall - self.last_wall) - sum(phase.values())
+            phase["logps"] = trainer.bench_logps - self.last_logps  # of which the scoring's log-prob passes
             self.steps.append({"step": state.global_step, "wall": wall, "seconds": wall - self.last_wall, **phase})
-            self.last_phase, self.last_wall = dict(trainer.bench_phase), wall
+            self.last_phase, self.last_logps, self.last_wall = dict(trainer.bench_phase), trainer.bench_logps, wall
             if progress(trainer) >= self.next_eval or state.global_step == budget:
                 self._evaluate(state)
                 while self.next_eval <= progress(trainer):
@@ -216,6 +234,9 @@ def run_one(name, settings, seed, setup):
         "steps": timer.steps,
         "generations": trainer.bench_generations,
         "evals": timer.evals,
+        # The audit's measured time ratios (DPPOConfig.audit_every > 0), one per audited batch.
+        "audit_times": {k: audit_log[k] for k in AUDIT_TIMES} if (audit_log := getattr(trainer, "_audit_log", None))
+        else None,
     }
 
 
