@@ -19,7 +19,7 @@ score, per seed, as a ratio to GRPO's; and time per step by phase, from short pa
     make bench-real-vllm                              # the same with vLLM generating (colocated; its own venv)
     python benchmarks/bench_real.py --seeds 0 --steps 8 --methods grpo dppo
     python benchmarks/bench_real.py --from-runs benchmarks/results/learning/real_seed*_runs.json \
-        --phases-of benchmarks/results/bench_real_phases.json --json benchmarks/results/bench_real_learning.json
+        --phases-of benchmarks/results/bench_real_phases_dapo.json --json benchmarks/results/bench_real_learning.json
 """
 
 from __future__ import annotations
@@ -37,17 +37,16 @@ import torch  # noqa: E402
 from harness import (  # noqa: E402
     LORA,
     STEP_PHASES,
-    phase_means,
-    median_phase_ratios,
-    phase_ratios,
-    projection,
-    target_figures,
     mean_se,
+    median_phase_ratios,
+    phase_means,
+    phase_ratios,
     phase_shares,
     plot_projection,
     plot_runs,
     pm,
     pooled,
+    projection,
     read_json,
     reasoning_gym_setup,
     result_path,
@@ -55,6 +54,7 @@ from harness import (  # noqa: E402
     run_methods,
     runs_path,
     summarize_at_budget,
+    target_figures,
     text_table,
     warm_up,
     without_per_seed,
@@ -205,6 +205,8 @@ def main(argv=None):
     parser.add_argument("--plots", default=None, help="directory for PNG plots (e.g. docs/images)")
     parser.add_argument("--from-runs", nargs="+", default=None,
                         help="train nothing: summarize saved *_runs.json files (their seeds together)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in this --json's per-step records (same settings); run the rest")
     parser.add_argument("--phases-of", default=None,
                         help="a summary JSON of short paired runs: its training-phase ratios make the projection")
     args = parser.parse_args(argv)
@@ -233,8 +235,8 @@ def main(argv=None):
         record = {"runs": runs, "trainer_args": setup["trainer_args"], "elapsed_s": time.perf_counter() - started}
         write_json(runs_file, record, compact=True)
 
-    # A run already in the per-step records (same trainer settings) is kept, not run again: later sessions add seeds.
-    saved = read_json(runs_file) if runs_file.exists() else None
+    # --resume: a run already in the per-step records (same trainer settings) is kept: later sessions add seeds.
+    saved = read_json(runs_file) if args.resume and runs_file.exists() else None
     done = saved["runs"] if saved and saved["trainer_args"] == setup["trainer_args"] else []
     runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, runs=done, started=started,
                        note=note, after_run=save)
@@ -271,7 +273,8 @@ def speed_figures(args, runs, rows):
     project = None
     if paired is not None:
         training = {r["method"]: tuple(r["phase_ratios"]["training"]) for r in paired["results"] if r["phase_ratios"]}
-        steps = {r["method"]: (r["steps_to_90_ratio_mean"], r["steps_to_90_ratio_se"]) for r in rows}
+        steps = {r["method"]: (r["steps_to_90_ratio_mean"], r["steps_to_90_ratio_se"]) for r in rows
+                 if r["method"] != "grpo"}
         project = projection(steps, training)
     return check, project
 
@@ -327,7 +330,7 @@ def report(args, runs, trainer_args, elapsed, runs_file):
             plots.append(plot_projection(project, Path(args.plots) / f"{Path(args.json).stem}_projection.png",
                                          PAPER_SPEEDUP, TYPICAL_GPU_GENERATION_SHARE))
     out = write_json(args.json, {
-        "config": {k: v for k, v in vars(args).items() if k not in ("from_runs", "phases_of")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("from_runs", "phases_of", "resume")},
         "seeds": sorted({r["seed"] for r in runs}),
         "trainer_args": trainer_args,
         "lora": LORA,

@@ -15,7 +15,7 @@ DIR=benchmarks/results/learning
 mkdir -p "$DIR"
 tag=$([ "$VARIANT" = dapo ] && echo real || echo "real_$VARIANT")
 run_seed() {
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 "$PY" benchmarks/bench_real.py --seeds "$1" --threads 1 --eval-every 4 \
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 "$PY" benchmarks/bench_real.py --seeds "$1" --threads 1 --eval-every 4 --resume \
         --variant "$VARIANT" --methods $METHODS --json "$DIR/${tag}_seed$1.json" > "$DIR/${tag}_seed$1.log" 2>&1
 }
 seeds=("$@")

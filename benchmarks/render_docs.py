@@ -475,7 +475,7 @@ def phases_table(results: dict) -> str:
             if r["method"] in ("grpo", "dppo+audit"):
                 continue
             ratio = r["phase_ratios"]
-            cell = lambda name: "-" if ratio[name] is None else pm(*ratio[name], 2)  # noqa: E731
+            cell = lambda name: "-" if ratio[name] is None else "{:.2f} ± {:.2f}".format(*ratio[name])  # noqa: E731
             body.append([label, REAL_LABELS.get(r["method"], r["method"]), f"{grpo['phase_seconds']['step']:.1f} s",
                          cell("step"), cell("generation"), cell("logps"), cell("loss"), cell("rest"),
                          cell("training")])
