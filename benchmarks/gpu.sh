@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Correctness first, then speed, offline, under 10 minutes: packed == padded log-probs on every attention kernel
+# Time per step by phase on a bare GPU machine first (benchmarks/gpu_phases.py, no TRL), then, where TRL is
+# installed, correctness, then speed, offline, under 10 minutes: packed == padded log-probs on every attention kernel
 # this machine has (benchmarks/check_packed.py: bf16 sdpa and flash-attn on a GPU; the script stops if a kernel
 # disagrees), then GRPO vs DPPO step time (end-to-end and training phase), side by side in one run.
 #
@@ -22,6 +23,22 @@ OUT=${OUT:-benchmarks/results/bench_gpu.json}
 export HF_HUB_OFFLINE=1
 CHECK_OUT=${CHECK_OUT:-$(dirname "$OUT")/check_packed.json}
 REASONING_OUT=${REASONING_OUT:-$(dirname "$OUT")/bench_gpu_reasoning.json}
+
+PHASES_OUT=${PHASES_OUT:-$(dirname "$OUT")/bench_gpu_phases.json}
+
+# First, what a bare GPU machine runs (torch, transformers, peft; no TRL, datasets or vLLM, nothing downloaded):
+# GRPO vs DPPO time per step by phase on random-weight models of SmolLM2-135M's and Qwen2.5-0.5B's shapes,
+# completions of 256 and 1,024 tokens (benchmarks/gpu_phases.py; about 5 minutes on one GPU). The rest needs TRL.
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    "$PY" benchmarks/gpu_phases.py --json "$PHASES_OUT"
+else
+    OMP_NUM_THREADS=1 "$PY" benchmarks/gpu_phases.py --models tiny --completion-lengths 16 64 --prompt-length 16 \
+        --json "$PHASES_OUT"
+fi
+if ! "$PY" -c "import trl" 2>/dev/null; then
+    echo "TRL is not installed: the trainer comparisons below are skipped (pip install -e . to run them)"
+    exit 0
+fi
 
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [ -z "${MODEL:-}" ]; then

@@ -111,7 +111,8 @@ def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
 
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), CUDA_VISIBLE_DEVICES="",
-               CHECK_OUT=str(tmp_path / "check.json"), REASONING_OUT=str(tmp_path / "reasoning.json"))
+               CHECK_OUT=str(tmp_path / "check.json"), REASONING_OUT=str(tmp_path / "reasoning.json"),
+               PHASES_OUT=str(tmp_path / "phases.json"))
     script = Path(__file__).parent.parent / "benchmarks" / "gpu.sh"
     result = subprocess.run(["bash", str(script), "--steps", "4", "--cache", str(tmp_path / "cache")], env=env,
                             capture_output=True, text=True, timeout=600)
@@ -127,6 +128,35 @@ def test_gpu_script_runs_on_cpu_and_writes_its_comparison(tmp_path):
     assert reasoning["config"]["task"] == "countdown" and reasoning["trainer_args"]["gradient_accumulation_steps"] == 2
     assert [r["method"] for r in reasoning["results"]] == ["grpo", "dppo"]
     assert all(0 <= r["zero_variance_share"] <= 1 and 0 < r["padded_density"] <= 1 for r in reasoning["results"])
+    phases = json.loads((tmp_path / "phases.json").read_text())  # first: the per-phase times, no TRL needed
+    assert [(r["completion_length"], r["method"]) for r in phases["results"]] == [
+        (16, "grpo"), (16, "dppo"), (64, "grpo"), (64, "dppo")]
+    for grpo, dppo in zip(phases["results"][::2], phases["results"][1::2]):
+        assert grpo["step_ratio"] == 1.0 and dppo["rows"] < grpo["rows"] == 64 and dppo["generation"] == grpo["generation"]
+        assert all(dppo[p] > 0 for p in ("generation", "logps", "loss"))
+
+
+def test_gpu_phases_runs_without_trl(tmp_path):
+    """The bare GPU machine has no TRL: the script imports the package's pure core without its __init__."""
+    import os
+    import subprocess
+
+    out = tmp_path / "phases.json"
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu_phases.py"
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "trl.py").write_text("raise ImportError('no TRL on this machine')\n")
+    (blocker / "sitecustomize.py").write_text(
+        "import importlib.util, sys\n"
+        "_find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'trl' else _find(name, *a)\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(script), "--models", "tiny", "--completion-lengths", "8",
+                             "--prompts", "2", "--group", "4", "--prompt-length", "4", "--steps", "2",
+                             "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["method"] for r in rows] == ["grpo", "dppo"] and "train/GRPO" in result.stdout
 
 
 def test_bench_balance_reports_the_imbalance_before_and_after(tmp_path):
