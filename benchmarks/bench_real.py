@@ -66,6 +66,7 @@ METHODS = {
     "grpo": None,
     "dppo": dict(completion_keep_rate=0.5),
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
+    "dppo+calibrated": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="calibrated"),
     "packing": dict(completion_keep_rate=1.0),
     # DPPO with every other batch audited: its logged time ratios, checked against the paired runs' (not for timing:
     # the audit runs GRPO's passes too).
@@ -130,11 +131,12 @@ def paired_difference(run, base, window: int):
     return statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
-def real_figures(runs, rows, window, heldout):
+def real_figures(runs, rows, window, heldout, first_epoch):
     """Adds to each summary row: ratios as mean ± SE over seeds, the training phase against the ideal (tokens
-    trained over GRPO's padded tokens), the final reward ± SE, the held-out accuracy ± SE; and GRPO's rise over the
-    run in standard errors: of the training curve (first vs last window) and of the held-out score (start vs end),
-    each pooled over seeds."""
+    trained over GRPO's padded tokens), the final reward ± SE, the held-out accuracy ± SE, what the generated
+    batches after the first ``first_epoch`` (GRPO's first epoch, where prompt pruning accepts everything) held;
+    and GRPO's rise over the run in standard errors: of the training curve (first vs last window) and of the
+    held-out score (start vs end), each pooled over seeds."""
     by = {(r["method"], r["seed"]): r for r in runs}
     for row in rows:
         seeds = sorted(s for m, s in by if m == row["method"] and ("grpo", s) in by)
@@ -157,6 +159,12 @@ def real_figures(runs, rows, window, heldout):
         row["zero_variance_share"] = statistics.mean(
             g["zero_variance_groups"] for s in seeds for g in by[row["method"], s]["generations"]
         )
+        # What the sampler fed the trainer once prompt pruning acts: groups whose rewards were all equal (no
+        # signal) and the generated prompts' raw mean reward (not reweighted: how easy the taken prompts were).
+        later = [by[row["method"], s]["generations"][first_epoch:] for s in seeds]
+        for key, field in (("later_zero_variance_share", "zero_variance_groups"), ("later_generated_reward", "reward")):
+            per_seed = [statistics.mean(g[field] for g in run) for run in later if run]
+            row[key + "_mean"], row[key + "_se"] = mean_se(per_seed)
         evals = [by[row["method"], s]["evals"] for s in seeds]
         row["heldout_start_mean"], row["heldout_start_se"] = mean_se([e[0]["accuracy"] for e in evals])
         row["heldout_final_mean"], row["heldout_final_se"] = mean_se([e[-1]["accuracy"] for e in evals])
@@ -302,7 +310,7 @@ def audit_check(runs, rows):
 def report(args, runs, trainer_args, elapsed, runs_file):
     """The table, the plots and the summary JSON of finished runs."""
     rows = summarize_at_budget(runs, args.methods, args.window)
-    rise = real_figures(runs, rows, args.window, args.heldout)
+    rise = real_figures(runs, rows, args.window, args.heldout, args.train_prompts // args.prompts_per_step)
     check, project = speed_figures(args, runs, rows)
     z = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731  (no spread: no z)
     print(f"\nSmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x {args.prompts_per_step} "

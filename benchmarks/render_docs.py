@@ -425,6 +425,7 @@ def real_table(data: dict) -> str:
 
 
 REAL_LABELS = {"grpo": "GRPO (TRL)", "dppo": "DPPO (keep 0.5)", "dppo+prompt": "DPPO + prompt pruning (0.5)",
+               "dppo+calibrated": "DPPO + prompt pruning (0.5, calibrated score)",
                "dppo+audit": "DPPO, every other batch audited"}
 
 

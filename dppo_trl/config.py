@@ -14,6 +14,7 @@ from transformers.utils import logging
 from trl import GRPOConfig
 
 from .core.estimator import SUPPORTED_LOSS_TYPES
+from .core.prompts import prompt_scores
 from .core.pruning import default_length_exponent, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
@@ -89,6 +90,8 @@ ALLOWED_VALUES: dict[str, Allowed] = {
     "prompt_keep_rate": _UNIT_INTERVAL,
     "prompt_keep_floor": _UNIT_INTERVAL,
     "prompt_history_decay": Allowed(lambda v: is_real_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "prompt_score": Allowed(lambda v: isinstance(v, str) and v in prompt_scores(),
+                            lambda: f"one of {list(prompt_scores())}"),
     "packing": Allowed(lambda v: isinstance(v, bool), "True or False"),
     "max_packed_tokens": Allowed(lambda v: v is None or _integer(v, 1), "None or an integer >= 1"),
     # GRPO's field, checked in every configuration: GRPOConfig accepts a typo, which fails at the first loss.
@@ -184,6 +187,11 @@ class DPPOConfig(GRPOConfig):
         prompt_history_decay (`float`, *optional*, defaults to `0.5`):
             Weight of the old value in a prompt's moving averages, of its groups' mean `|A|` (its score) and of
             their completion lengths (`docs/prompt_pruning.md`, "History"); `0` keeps only the latest group's.
+        prompt_score (`str`, *optional*, defaults to `"ema"`):
+            What predicts a prompt's next mean `|A|`, from which its acceptance probability is set: `"ema"`, the
+            moving average of its own groups' (`prompt_history_decay`); `"calibrated"`, what the prompts whose last
+            group looked like its last group (flat or spread, and where its mean reward lay) got at their next
+            visit, measured over the run (`docs/prompt_pruning.md`, "Scores").
 
         > Parameters that control packing
 
@@ -283,6 +291,11 @@ class DPPOConfig(GRPOConfig):
     prompt_history_decay: float = field(
         default=_DEFAULT_PROMPT_HISTORY_DECAY,
         metadata={"help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."},
+    )
+    prompt_score: str = field(
+        default="ema",
+        metadata={"help": "Prompt pruning's predictor of a prompt's next mean |A|: 'ema' (its own history) or "
+                  "'calibrated' (measured over the run by the look of its last group)."},
     )
     packing: bool = field(
         default=True,
@@ -469,6 +482,7 @@ UNUSED_SETTING_RULES = (
     UnusedSetting("audit_exact_params", _audit_off, "is not used while audit_every=0"),
     UnusedSetting("prompt_keep_floor", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("prompt_history_decay", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
+    UnusedSetting("prompt_score", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("max_packed_tokens", _no_packing, "is not used with packing=False"),
 )
 

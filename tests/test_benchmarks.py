@@ -233,6 +233,13 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
     assert pruned["kept_fraction"] <= 1.0 and "time_to_target_ratio" in pruned
     assert {"rise", "rise_se", "heldout_rise", "heldout_rise_se"} <= set(saved["grpo_rise"])
     assert "GRPO's curve:" in capsys.readouterr().out
+    records = json.loads((tmp_path / "real_runs.json").read_text())["runs"]
+    per_step = {run["method"]: run["generations"] for run in records}
+    for method, generations in per_step.items():  # each group's prompt, mean reward and prompt weight
+        for generation in generations:
+            [(prompt, reward, weight)] = generation["groups"]
+            assert len(prompt) == 8 and reward == pytest.approx(generation["reward"], abs=1e-4)
+            assert (weight is None) == (method == "grpo")
     again = bench_real.main(
         [*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")]
     )

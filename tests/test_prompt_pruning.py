@@ -14,7 +14,13 @@ from support.training import StopAt, params_of, train
 from trl.trainer.utils import RepeatSampler
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.core.prompts import PromptPruningSampler, prompt_acceptance_probabilities, update_history
+from dppo_trl.core.prompts import (
+    PromptPruningSampler,
+    history_cell,
+    prompt_acceptance_probabilities,
+    register_prompt_score,
+    update_history,
+)
 
 
 def test_history_is_an_exponential_moving_average():
@@ -73,6 +79,47 @@ def test_prompts_with_q_one_are_never_skipped():
         assert set(always) <= accepted
 
 
+def test_a_groups_cell_is_flat_or_spread_times_its_reward_bin():
+    assert history_cell(0.0, 0.0, 0.0, 1.0) == 1  # every completion failed: flat, lowest bin
+    assert history_cell(0.0, 1.0, 0.0, 1.0) == 7  # every completion solved: flat, highest bin
+    assert history_cell(0.9, 0.375, 0.0, 1.0) == 2  # spread, second bin
+    assert history_cell(0.5, 0.875, 0.0, 1.0) == 6
+    assert history_cell(0.5, float("nan"), 0.0, 1.0) == 0 and history_cell(0.0, 0.3, 0.3, 0.3) == 1
+
+
+def _revisited(score="calibrated", **kwargs):
+    """Four prompts seen twice on rewards in [0, 1]: prompt 0 failed every time then spread (1.0), prompt 1
+    spread then solved (0.0), prompt 2 solved twice (0.0), prompt 3 seen once (spread)."""
+    sampler = make_sampler(n=4, score=score, **kwargs)
+    sampler.update([0, 1, 2, 3], [0.0, 0.8, 0.0, 0.7], [3.0] * 4, [0.0, 0.5, 1.0, 0.875])
+    sampler.update([0, 1, 2], [1.0, 0.0, 0.0], [3.0] * 3, [0.5, 1.0, 1.0])
+    return sampler
+
+
+def test_the_calibrated_score_is_what_the_cell_of_the_last_group_got_at_the_next_visit():
+    sampler = _revisited()
+    flat_low, spread_mid, flat_high = 1, 4, 7
+    assert sampler.calibration_seen.nonzero().flatten().tolist() == [flat_low, spread_mid, flat_high]
+    assert sampler.calibration[[flat_low, spread_mid, flat_high]].tolist() == [1.0, 0.0, 0.0]
+    assert sampler.cells.tolist() == [spread_mid, flat_high, flat_high, 6]
+    # Prompt 0 now sits in a cell whose next visit scored 0, prompt 3 in a cell never revisited: no prediction,
+    # q = 1 like a prompt never seen. The ema score knows only each prompt's own past.
+    q = sampler.acceptance()
+    assert q[3] == 1.0 and q[0] == q[1] == q[2]
+    ema = _revisited("ema").acceptance()
+    assert ema[0] > ema[3] > ema[1] == ema[2]
+    sampler.update([1], [0.0], [3.0], [1.0])  # a cell's moving average of the next visit's mean |A|
+    sampler.update([0], [0.9], [3.0], [0.5])
+    assert float(sampler.calibration[spread_mid]) == pytest.approx(0.8 * 0.0 + 0.2 * 0.9)
+
+
+def test_prompt_scores_refuse_a_taken_name_and_an_unknown_one():
+    with pytest.raises(ValueError, match="'ema' is taken"):
+        register_prompt_score("ema")(lambda sampler: (sampler.scores, sampler.seen))
+    with pytest.raises(ValueError, match="prompt_score='last'.*'ema', 'calibrated'"):
+        make_sampler(score="last")
+
+
 def _gradient_table(n):
     return torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
 
@@ -97,14 +144,18 @@ def test_epoch_sum_is_exactly_unbiased_over_all_acceptance_outcomes():
     torch.testing.assert_close(expected_sum / expected_steps, g.mean(0))
 
 
-def test_sampler_steps_are_unbiased_statistically():
+@pytest.mark.parametrize("score", ["ema", "calibrated"])
+def test_sampler_steps_are_unbiased_statistically(score):
     """The sampler itself, over many epochs with a fixed history (1 prompt per step): the mean weighted
     per-step gradient matches GRPO's per-step expectation, the dataset mean, within 4 standard errors."""
     n = 6
     g = _gradient_table(n)
-    sampler = make_sampler(n=n, batch=1)
+    sampler = make_sampler(n=n, batch=1, score=score)
     list(sampler)  # epoch 1: all unseen
-    sampler.update(range(n), [0.0, 0.1, 0.4, 1.0, 2.0, 0.2], [5.0] * n)
+    rewards = [0.0, 0.25, 0.5, 1.0, 0.75, 1.0]
+    sampler.update(range(n), [0.0, 0.1, 0.4, 1.0, 2.0, 0.0], [5.0] * n, rewards)
+    sampler.update(range(n), [0.3, 0.1, 0.4, 0.0, 2.0, 0.0], [5.0] * n, rewards)
+    assert len(set(sampler.acceptance().tolist())) >= 2  # prompts are skipped at different rates
     sampler.update = lambda *a, **k: None  # freeze the history
     estimates = []
     for _ in range(3000):
@@ -262,14 +313,18 @@ def test_the_normalizer_is_fixed_before_the_acceptance_draw():
     assert normalizers == counts == {2 * 2 * (3 + 5 + 10 + 2 + 6) / 5}
 
 
-def test_sampler_state_round_trips_the_length_history_and_the_carry():
-    """A resumed sampler plans the next epochs as the original does: the loss-token history, the prompts carried
-    over (with their weights and normalizers) and the walk owed are in its state (JSON, as in checkpoints)."""
+@pytest.mark.parametrize("score", ["ema", "calibrated"])
+def test_sampler_state_round_trips_the_length_history_and_the_carry(score):
+    """A resumed sampler plans the next epochs as the original does: the loss-token history, the calibration,
+    the prompts carried over (with their weights and normalizers) and the walk owed are in its state (JSON, as in
+    checkpoints)."""
     import json
 
     def build():
-        sampler = make_sampler(n=7, batch=3, accept_seed=11)
-        sampler.update(range(7), [0.0, 0.2, 0.4, 1.0, 2.0, 0.1, 0.3], [3.0, 8.0, 1.0, 4.0, 9.0, 2.0, 5.0])
+        sampler = make_sampler(n=7, batch=3, accept_seed=11, score=score)
+        rewards = [0.0, 0.5, 0.25, 1.0, 0.75, 1.0, 0.5]
+        for _ in range(2):
+            sampler.update(range(7), [0.0, 0.2, 0.4, 1.0, 2.0, 0.1, 0.3], [3.0, 8.0, 1.0, 4.0, 9.0, 2.0, 5.0], rewards)
         return sampler
 
     original = build()
@@ -278,11 +333,12 @@ def test_sampler_state_round_trips_the_length_history_and_the_carry():
         if original.carry:
             break
     assert original.carry
-    original.update([0, 3], [0.5, 0.5], [11.0, 13.0])
-    state = json.loads(json.dumps(original.state_dict()))
+    original.update([0, 3], [0.5, 0.5], [11.0, 13.0], [0.5, 0.125])
+    state = json.loads(json.dumps(original.state_dict(), allow_nan=False))
     resumed = build()
     resumed.load_state_dict(state, next_batch=original.batches_planned)
     assert torch.equal(resumed.lengths, original.lengths) and resumed.carry == original.carry
+    assert torch.equal(resumed.calibration, original.calibration) and torch.equal(resumed.cells, original.cells)
     assert resumed.walk_owed == original.walk_owed and resumed.plan == original.plan
     for _ in range(3):
         assert resumed._plan_epoch() == original._plan_epoch()
@@ -362,6 +418,7 @@ def test_max_steps_runs_take_exactly_max_steps_across_pruned_epochs(tmp_path, ti
     [
         ({}, 10),
         ({"max_steps": 28}, 13),
+        ({"max_steps": 28, "prompt_score": "calibrated"}, 13),
         # each generation batch serves 2 iterations x 2 micro-steps: 2 optimizer steps; stop in the last epoch
         ({"max_steps": 12, "steps_per_generation": 2, "gradient_accumulation_steps": 2, "num_iterations": 2}, 10),
     ],
@@ -374,6 +431,8 @@ def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_
     )
     whole.train()
     assert whole.state.global_step > stop
+    if budget.get("prompt_score") == "calibrated":  # the trainer fed back rewards: revisits measured per cell
+        assert whole._prompt_sampler.calibration_seen.any() and whole._prompt_sampler.reward_range is not None
     first = PromptRecorder(
         tiny_model_dir,
         coarse_reward,
@@ -402,6 +461,7 @@ def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_
         (dict(prompt_keep_rate=0.5, prompt_keep_floor=2.0), "prompt_keep_floor"),
         (dict(prompt_keep_rate=0.5, prompt_history_decay=1.0), "prompt_history_decay"),
         (dict(prompt_keep_rate=0.5, prompt_history_decay=-0.1), "prompt_history_decay"),
+        (dict(prompt_keep_rate=0.5, prompt_score="last"), "prompt_score"),
     ],
 )  # (valid but unused while prompt pruning is off: a warning, tests/test_config.py)
 def test_bad_prompt_values_name_the_field(kwargs, field):

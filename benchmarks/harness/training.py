@@ -5,6 +5,7 @@ of a method, and the runs of several methods over seeds."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import tempfile
 import time
 
@@ -65,7 +66,7 @@ def timed(trainer_cls):
             total = time.perf_counter() - start
             self.bench_phase["scoring"] += total - (self.bench_phase["generation"] - generation_before)
             self.bench_phase["loss"] -= total  # training_step's clock below contains this call
-            self._bench_record_generation(output)
+            self._bench_record_generation(output, inputs)
             return output
 
         def training_step(self, *args, **kwargs):
@@ -75,7 +76,7 @@ def timed(trainer_cls):
             finally:
                 self.bench_phase["loss"] += time.perf_counter() - start
 
-        def _bench_record_generation(self, output):
+        def _bench_record_generation(self, output, inputs):
             rewards = self._bench_rewards.float().cpu()
             completion_tokens = output["completion_mask"].sum(1).float().cpu()
             width = output["completion_mask"].size(1)
@@ -101,6 +102,16 @@ def timed(trainer_cls):
                     "completion_tokens": float(completion_tokens.sum()),
                     "trained_sequence_tokens": float(sequence_tokens[keep].sum()),
                     "sequence_tokens": float(sequence_tokens.sum()),
+                    # Per group (this rank's): its prompt (a short hash), mean reward and prompt weight, for reading
+                    # which prompts a sampler takes and what they give at each visit.
+                    "groups": [
+                        [hashlib.sha1(str(row["prompt"]).encode()).hexdigest()[:8], round(float(reward), 4),
+                         None if weights is None else round(float(weight), 4)]
+                        for row, reward, weight in zip(
+                            inputs[:: self.num_generations], spread.mean(1).tolist(),
+                            [None] * spread.size(0) if weights is None else weights[:: self.num_generations].tolist(),
+                        )
+                    ],
                 }
             )
 

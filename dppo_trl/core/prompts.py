@@ -17,7 +17,8 @@ exactly. The only prompts that never train are the run's final leftover, fewer t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -30,11 +31,74 @@ def prompt_acceptance_probabilities(
     scores: torch.Tensor, seen: torch.Tensor, keep_rate: float, keep_floor: float
 ) -> torch.Tensor:
     """``q = clip(score / tau_q, keep_floor, 1)`` on seen prompts with ``mean(q[seen]) = keep_rate`` (more
-    when the floor forces it), ``q = 1`` on prompts never seen."""
+    when the floor forces it), ``q = 1`` on prompts never seen (``seen``: those with a score).
+
+    Args:
+        scores: (M,) each prompt's predicted score (a prompt score of ``register_prompt_score``).
+        seen: (M,) bool, the prompts that have a score.
+    """
     q = torch.ones_like(scores, dtype=torch.float64)
     if seen.any():
         q[seen], _ = keep_probabilities(scores[seen], keep_rate, keep_floor, zero_score_contributes=True)
     return q
+
+
+# What a prompt's last group looked like: its rewards flat or spread, times where its mean reward lies in the run's
+# range of group mean rewards (REWARD_BINS equal bins). The calibrated score predicts from this cell.
+REWARD_BINS = 4
+NUM_CELLS = 2 * REWARD_BINS
+CALIBRATION_DECAY = 0.8  # weight of the old value in a cell's moving average of the next visit's mean |A|
+
+
+def history_cell(mean_abs_advantage: float, mean_reward: float, reward_low: float, reward_high: float) -> int:
+    """The cell of one observed group: ``2 x bin + flat``, ``bin`` the position of its mean reward in
+    ``[reward_low, reward_high]`` cut into ``REWARD_BINS`` equal bins (0 when the range is empty or the reward
+    is NaN), ``flat`` 1 when its mean |A| is 0 (every completion got the same reward)."""
+    width = reward_high - reward_low
+    position = (mean_reward - reward_low) / width if width > 0 and mean_reward == mean_reward else 0.0
+    reward_bin = min(max(int(position * REWARD_BINS), 0), REWARD_BINS - 1)
+    return 2 * reward_bin + int(mean_abs_advantage == 0.0)
+
+
+PromptScore = Callable[["PromptPruningSampler"], "tuple[torch.Tensor, torch.Tensor]"]
+_PROMPT_SCORES: dict[str, PromptScore] = {}
+
+
+def register_prompt_score(name: str):
+    """Register ``fn(sampler) -> (scores, known)`` as the prompt score ``name``: per prompt, the predicted mean
+    |A| of its next group, from the history alone (fixed before the epoch's acceptance draw, which keeps the
+    weights ``q_bar / q`` exact), and whether there is a prediction (a prompt without one gets ``q = 1``, like a
+    prompt never seen). A taken name is refused."""
+
+    def decorate(fn: PromptScore) -> PromptScore:
+        taken = _PROMPT_SCORES.get(name)
+        if taken is not None and (taken.__module__, taken.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"register_prompt_score: the name {name!r} is taken; registered: {list(_PROMPT_SCORES)}.")
+        _PROMPT_SCORES[name] = fn
+        return fn
+
+    return decorate
+
+
+def prompt_scores() -> tuple[str, ...]:
+    return tuple(_PROMPT_SCORES)
+
+
+@register_prompt_score("ema")
+def _ema_score(sampler: PromptPruningSampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moving average of the prompt's own groups' mean |A| (``prompt_history_decay``)."""
+    return sampler.scores, sampler.seen
+
+
+@register_prompt_score("calibrated")
+def _calibrated_score(sampler: PromptPruningSampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean |A| that prompts seen in the same cell (``history_cell``) of their last group got at their next
+    visit, a moving average over the run's revisits (``CALIBRATION_DECAY``). A policy that learns fast moves a
+    prompt from cell to cell between visits (a spread group is often solved at the next visit, an unsolved one
+    spread); the cell's measured outcome follows that, where the prompt's own last score would not."""
+    cells = sampler.cells.clamp(min=0)
+    known = sampler.seen & (sampler.cells >= 0) & sampler.calibration_seen[cells]
+    return torch.where(known, sampler.calibration[cells], 0.0), known
 
 
 def update_history(scores: torch.Tensor, seen: torch.Tensor, indices, values, decay: float) -> None:
@@ -103,7 +167,10 @@ class PromptPruningSampler(Sampler[int]):
         seed: int = 0,
         accept_seed: int = 0,
         max_epochs: int | None = None,
+        score: str = "ema",
     ):
+        if score not in _PROMPT_SCORES:
+            raise ValueError(f"prompt_score={score!r} is invalid: it must be one of {list(_PROMPT_SCORES)}.")
         self.num_prompts = num_prompts
         self.group_size = group_size
         self.prompts_per_batch = prompts_per_batch
@@ -117,6 +184,11 @@ class PromptPruningSampler(Sampler[int]):
         self.scores = torch.zeros(num_prompts, dtype=torch.float64)  # moving average of the group's mean |A|
         self.lengths = torch.zeros(num_prompts, dtype=torch.float64)  # ... of its loss tokens per completion
         self.seen = torch.zeros(num_prompts, dtype=torch.bool)
+        self.score = score
+        self.cells = torch.full((num_prompts,), -1, dtype=torch.long)  # history_cell of the last group; -1: none
+        self.calibration = torch.zeros(NUM_CELLS, dtype=torch.float64)  # per cell: the next visit's mean |A|
+        self.calibration_seen = torch.zeros(NUM_CELLS, dtype=torch.bool)
+        self.reward_range: list[float] | None = None  # [lowest, highest] group mean reward seen (NaN ones left out)
         self.epoch = 0  # data epochs planned so far
         self.batches_planned = 0
         self.plan: list[dict] = []  # the current data epoch's batches
@@ -140,7 +212,8 @@ class PromptPruningSampler(Sampler[int]):
         return torch.randperm(self.num_prompts, generator=self.order_generator).tolist()
 
     def acceptance(self) -> torch.Tensor:
-        return prompt_acceptance_probabilities(self.scores, self.seen, self.keep_rate, self.keep_floor)
+        scores, known = _PROMPT_SCORES[self.score](self)
+        return prompt_acceptance_probabilities(scores, known, self.keep_rate, self.keep_floor)
 
     def normalizer(self) -> float | None:
         """``D`` of the next planned epoch (``estimator.expected_batch_tokens`` of the history); None while no
@@ -216,16 +289,37 @@ class PromptPruningSampler(Sampler[int]):
             del self.decisions[stale]
         return self.decisions.pop(number)
 
-    def update(self, prompts, mean_abs_advantages, mean_loss_tokens) -> None:
-        """Feed back one generation batch: per prompt, its group's mean |A| and mean loss tokens per completion."""
+    def update(self, prompts, mean_abs_advantages, mean_loss_tokens, mean_rewards=None) -> None:
+        """Feed back one generation batch: per prompt, its group's mean |A|, mean loss tokens per completion and
+        mean reward (None: unknown, NaN)."""
+        prompts = list(prompts)
+        mean_rewards = [math.nan] * len(prompts) if mean_rewards is None else list(mean_rewards)
+        self._update_calibration(prompts, list(mean_abs_advantages), mean_rewards)
         update_history(self.lengths, self.seen.clone(), prompts, mean_loss_tokens, self.history_decay)
         update_history(self.scores, self.seen, prompts, mean_abs_advantages, self.history_decay)
+
+    def _update_calibration(self, prompts: list, mean_abs_advantages: list, mean_rewards: list) -> None:
+        """A revisited prompt's mean |A| goes into the moving average of the cell of its previous group; then each
+        prompt's cell becomes its new group's."""
+        observed = [float(r) for r in mean_rewards if r == r] + (self.reward_range or [])
+        if observed:
+            self.reward_range = [min(observed), max(observed)]
+        low, high = self.reward_range or [0.0, 0.0]
+        for index, score, reward in zip(prompts, mean_abs_advantages, mean_rewards):
+            previous = int(self.cells[index])
+            if previous >= 0:
+                update_history(self.calibration, self.calibration_seen, [previous], [score], CALIBRATION_DECAY)
+            self.cells[index] = history_cell(score, reward, low, high)
 
     def state_dict(self) -> dict:
         return {
             "scores": self.scores.tolist(),
             "lengths": self.lengths.tolist(),
             "seen": self.seen.tolist(),
+            "cells": self.cells.tolist(),
+            "calibration": self.calibration.tolist(),
+            "calibration_seen": self.calibration_seen.tolist(),
+            "reward_range": self.reward_range,
             "epoch": self.epoch,
             "batches_planned": self.batches_planned,
             "plan": self.plan,
@@ -240,6 +334,11 @@ class PromptPruningSampler(Sampler[int]):
         self.scores = torch.tensor(state["scores"], dtype=torch.float64)
         self.lengths = torch.tensor(state["lengths"], dtype=torch.float64)
         self.seen = torch.tensor(state["seen"], dtype=torch.bool)
+        if "cells" in state:  # checkpoints before the calibrated score have none of it
+            self.cells = torch.tensor(state["cells"], dtype=torch.long)
+            self.calibration = torch.tensor(state["calibration"], dtype=torch.float64)
+            self.calibration_seen = torch.tensor(state["calibration_seen"], dtype=torch.bool)
+            self.reward_range = state["reward_range"]
         self.epoch = state["epoch"]
         self.batches_planned = state["batches_planned"]
         self.plan = list(state["plan"])

@@ -3,8 +3,8 @@ progress in epoch-based runs, the resume arithmetic, the per-batch prompt decisi
 and the sampler's state for checkpoints. The math is in ``dppo_trl.core.prompts`` and ``dppo_trl.core.estimator``.
 
 Reads of the host trainer: ``args``, ``num_generations``, ``num_iterations``, ``shuffle_dataset``,
-``train_dataset``, ``loss_type``, ``state.global_step``, ``_metrics``; ``_local`` and ``_same_on_every_rank`` (the
-keep decision)."""
+``train_dataset``, ``loss_type``, ``state.global_step``, ``_metrics``; ``_local``, ``_same_on_every_rank`` and
+``_aggregated_rewards`` (the keep decision)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ class PromptPruning:
                 seed=self.args.seed,
                 accept_seed=derive_seed("prompt_acceptance", base),
                 max_epochs=None if self.args.max_steps > 0 else math.ceil(self.args.num_train_epochs),
+                score=self.args.prompt_score,
             )
             self._prompt_sampler.skip_units = self._resume_skip_units
             self._prompt_sampler.share = self._same_on_every_rank
@@ -120,7 +121,10 @@ class PromptPruning:
             self.loss_type, decision["normalizer"], decision["normalizers"], loss_tokens
         )
         group_scores = scores.abs().view(-1, group).mean(1).tolist()
-        self._prompt_sampler.update(decision["prompts"], group_scores, loss_tokens.view(-1, group).mean(1).tolist())
+        group_rewards = self._aggregated_rewards(batch).double().view(-1, group).nanmean(1).tolist()
+        self._prompt_sampler.update(
+            decision["prompts"], group_scores, loss_tokens.view(-1, group).mean(1).tolist(), group_rewards
+        )
         prompt_weights = [w * f for w, f in zip(decision["weights"], factors)]
         weights = torch.tensor(prompt_weights, dtype=torch.float64).repeat_interleave(group)
         metrics = self._metrics["train"]

@@ -24,6 +24,7 @@ DPPO_FIELDS = {
     "prompt_keep_rate",
     "prompt_keep_floor",
     "prompt_history_decay",
+    "prompt_score",
 }
 
 # A few CPU steps on the offline tiny model: 8 rows (2 prompts x 4 completions) of up to 6 tokens per device step.
