@@ -50,6 +50,7 @@ from harness import (  # noqa: E402
     read_json,
     reasoning_gym_setup,
     result_path,
+    revisit_outcomes,
     reward_panels,
     run_methods,
     runs_path,
@@ -282,10 +283,14 @@ def speed_figures(args, runs, rows):
     project = None
     if paired is not None:
         training = {r["method"]: tuple(r["phase_ratios"]["training"]) for r in paired["results"] if r["phase_ratios"]}
-        # An 8-step paired run ends inside the first epoch, where prompt pruning accepts every prompt; what its
-        # batches then cost is read on these runs' own steps (two runs side by side: see docs/benchmarks.md).
-        training.update({r["method"]: tuple(r["phase_ratios"]["training"]) for r in rows
-                         if r["method"] in PROMPT_PRUNED and r["phase_ratios"]})
+        # An 8-step paired run ends inside the first epoch, where prompt pruning accepts every prompt. What its
+        # batches cost later is DPPO's paired training ratio scaled by the tokens each trains over the whole run
+        # ("ideal": trained over GRPO's padded tokens, which does not depend on the machine or its load).
+        ideal = {r["method"]: r["ideal_training_ratio_mean"] for r in rows}
+        if "dppo" in training and "dppo" in ideal:
+            mean, se = training["dppo"]
+            training.update({m: (mean * ideal[m] / ideal["dppo"], se * ideal[m] / ideal["dppo"])
+                             for m in PROMPT_PRUNED if m in ideal})
         steps = {r["method"]: (r["steps_to_90_ratio_mean"], r["steps_to_90_ratio_se"]) for r in rows
                  if r["method"] != "grpo"}
         project = projection(steps, training)
@@ -353,6 +358,9 @@ def report(args, runs, trainer_args, elapsed, runs_file):
         "per_seed": {r["method"]: r["per_seed"] for r in rows},
         "runs_file": runs_file.name,
         "audit_check": check,
+        # How prompts move between visits, per method (harness.targets.revisit_outcomes; records with groups only).
+        "revisits": {row["method"]: revisit_outcomes([r for r in runs if r["method"] == row["method"]])
+                     for row in rows},
         "projection": project,
         "projection_sources": {"phases_of": args.phases_of, "paper_speedup": PAPER_SPEEDUP,
                                "typical_gpu_generation_share": TYPICAL_GPU_GENERATION_SHARE},

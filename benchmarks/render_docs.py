@@ -495,6 +495,31 @@ def projection_table(data: dict) -> str:
     return md_table(header, body)
 
 
+def prompt_pruning_table(data: dict) -> str:
+    """bench_real*_learning.json: what each method's generated batches held once prompt pruning acts (after GRPO's
+    first epoch; mean ± SE over seeds) and its learning per step on the held-out score."""
+    header = ["method", "seeds", "groups without signal", "raw reward of the generated prompts", "completions kept",
+              "steps to target: held-out", "held-out at the end"]
+    def cell(r, key, spec=".2f"):
+        return "-" if r.get(key + "_mean") is None else f"{r[key + '_mean']:{spec}} ± {r[key + '_se']:{spec}}"
+
+    body = [[REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
+             cell(r, "later_zero_variance_share"), cell(r, "later_generated_reward"), f"{r['kept_fraction']:.0%}",
+             _reached(r, "heldout_steps_to_90_ratio"), cell(r, "heldout_final", ".3f")] for r in data["results"]]
+    return md_table(header, body)
+
+
+def revisits_table(data: dict) -> str:
+    """bench_real*_learning.json's ``revisits``: per method with per-group records, by the look of a prompt's last
+    group, the revisits and the share of them whose new group had signal."""
+    methods = [m for m, table in data.get("revisits", {}).items() if any(v["revisits"] for v in table.values())]
+    header = ["the prompt's last group"] + [REAL_LABELS.get(m, m) for m in methods]
+    states = list(next(iter(data["revisits"].values()))) if methods else []
+    body = [[state] + [f"{t['spread_next']:.0%} of {t['revisits']}" if t["revisits"] else "-"
+                       for t in (data["revisits"][m][state] for m in methods)] for state in states]
+    return md_table(header, body)
+
+
 ALL_RESULTS = "*"  # a TABLES entry whose function reads every results file
 HEADLINE_RUNS = (("bench_real", "transformers"), ("bench_real_vllm", "vLLM, colocated"))
 
@@ -607,6 +632,8 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_real_learning": ("bench_real_learning", learning_table),
     "headline_speed": ("bench_real_learning", headline_speed_table),
     "bench_real_projection": ("bench_real_learning", projection_table),
+    "bench_real_prompt_pruning": ("bench_real_learning", prompt_pruning_table),
+    "bench_real_revisits": ("bench_real_learning", revisits_table),
     "bench_real_phases": (ALL_RESULTS, phases_table),
     "bench_audit": ("bench_audit", audit_table),
     "bench_audit_countdown": ("bench_audit_countdown", audit_table),
@@ -661,6 +688,18 @@ def _design(name):
     return lambda R: f"`{run_design(name, R[name])}`"
 
 
+def learning_seeds(results: dict, method: str) -> str:
+    """How many seeds bench_real_learning.json summarizes for ``method``."""
+    return str(len(rows("bench_real_learning", results["bench_real_learning"])[method]["seeds"]))
+
+
+def revisit_share(results: dict, method: str, state: str) -> str:
+    """The share of ``method``'s revisits whose new group had signal, after a last group in state number
+    ``state`` (harness.targets.REVISIT_STATES: 0 failed, 1 spread, 2 solved)."""
+    table = results["bench_real_learning"]["revisits"][method]
+    return f"{list(table.values())[int(state)]['spread_next']:.0%}"
+
+
 SPANS = {  # inline values that are not one field: name [arguments] -> function of every results file
     "e2e_grpo_shares": lambda R: e2e_grpo_shares(R["bench_e2e"]),
     "grpo_gamma_gain": lambda R: format(
@@ -672,6 +711,8 @@ SPANS = {  # inline values that are not one field: name [arguments] -> function 
     "rerun_noise": rerun_noise,
     "default_design": lambda R: f"`{DEFAULT_DESIGN}`",
     "bench_audit_alarm_worst": audit_alarm_worst,
+    "learning_seeds": learning_seeds,
+    "revisit_share": revisit_share,
     **{f"design:{n}": _design(n) for n in ("bench_reasoning", "bench_reasoning_designs", "bench_reasoning_adaptive",
                                            "bench_e2e", "bench_train", "bench_gpu")},
 }

@@ -90,3 +90,19 @@ def test_the_projection_multiplies_learning_per_step_by_the_step_ratio_at_each_s
     assert rows[1]["time_ratio"] == pytest.approx(0.8 * (0.7 + 0.3 * 0.3))
     step = 0.7 + 0.3 * 0.3
     assert rows[1]["time_ratio_se"] == pytest.approx(((0.1 * step) ** 2 + (0.8 * 0.3 * 0.02) ** 2) ** 0.5)
+
+
+def test_revisit_outcomes_count_what_each_look_of_a_prompts_last_group_gave_next():
+    def generation(*groups):
+        return {"groups": [list(g) for g in groups]}
+
+    run = {"generations": [
+        generation(("a", 0.0, None, True), ("b", 0.5, None, False)),
+        generation(("a", 0.25, None, False), ("b", 1.0, None, True)),  # a: failed -> spread; b: spread -> solved
+        generation(("a", 1.0, None, True), ("c", 1.0, None, True)),  # a: spread -> solved
+        generation(("c", 1.0)),  # an older record without the flat field: read from its mean reward
+    ]}
+    table = targets.revisit_outcomes([run, {"generations": [{"step": 0}]}])
+    assert table["every completion failed"] == {"revisits": 1, "spread_next": 1.0}
+    assert table["spread"] == {"revisits": 2, "spread_next": 0.0}
+    assert table["every completion solved"] == {"revisits": 1, "spread_next": 0.0}

@@ -237,8 +237,9 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
     per_step = {run["method"]: run["generations"] for run in records}
     for method, generations in per_step.items():  # each group's prompt, mean reward and prompt weight
         for generation in generations:
-            [(prompt, reward, weight)] = generation["groups"]
+            [(prompt, reward, weight, flat)] = generation["groups"]
             assert len(prompt) == 8 and reward == pytest.approx(generation["reward"], abs=1e-4)
+            assert flat == (generation["zero_variance_groups"] == 1.0)
             assert (weight is None) == (method == "grpo")
     again = bench_real.main(
         [*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")]

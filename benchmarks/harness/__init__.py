@@ -68,16 +68,18 @@ from .targets import (
     phase_means,
     phase_ratios,
     projection,
+    revisit_outcomes,
     target_figures,
 )
 from .training import PHASE_LABELS, PHASES, clock, data_progress, run_methods, run_one, timed, warm_up
 
 __all__ = [
-    "LORA", "PHASES", "PHASE_LABELS", "SHARES", "STEP_PHASES", "STEP_PHASE_LABELS", "median_phase_ratios", "phase_means", "phase_ratios",
-    "projection", "target_figures", "Panel", "budget_figures", "clock", "config_default", "cost_figures",
-    "countdown_accuracy", "countdown_setup", "data_progress", "eval_curve", "group_advantages", "md_table",
-    "mean_se", "phase_shares", "plot_projection", "plot_runs", "pm", "pooled", "print_table", "read_json", "reasoning_gym_score",
-    "reasoning_gym_setup", "result_path", "reward_curve", "reward_panels", "run_methods", "run_one", "runs_path",
-    "seed_mean", "suite_helper", "summarize", "summarize_at_budget", "text_table", "time_to",
-    "time_to_target_ratio", "timed", "trailing_mean", "vllm_on_cpu", "warm_up", "without_per_seed", "write_json",
+    "budget_figures", "clock", "config_default", "cost_figures", "countdown_accuracy", "countdown_setup",
+    "data_progress", "eval_curve", "group_advantages", "LORA", "md_table", "mean_se", "median_phase_ratios", "Panel",
+    "PHASE_LABELS", "phase_means", "phase_ratios", "phase_shares", "PHASES", "plot_projection", "plot_runs", "pm",
+    "pooled", "print_table", "projection", "read_json", "reasoning_gym_score", "reasoning_gym_setup", "result_path",
+    "revisit_outcomes", "reward_curve", "reward_panels", "run_methods", "run_one", "runs_path", "seed_mean", "SHARES",
+    "STEP_PHASE_LABELS", "STEP_PHASES", "suite_helper", "summarize", "summarize_at_budget", "target_figures",
+    "text_table", "time_to", "time_to_target_ratio", "timed", "trailing_mean", "vllm_on_cpu", "warm_up",
+    "without_per_seed", "write_json",
 ]

@@ -205,3 +205,27 @@ def projection(steps_ratios, training_ratios, shares=SHARES):
             ratio, se = projected_time_ratio(steps, training_ratios[method], share)
             rows.append({"method": method, "generation_share": share, "time_ratio": ratio, "time_ratio_se": se})
     return rows
+
+
+REVISIT_STATES = ("every completion failed", "spread", "every completion solved")
+
+
+def revisit_outcomes(runs):
+    """How prompts move between visits: over the runs' ``groups`` records (per group: prompt, mean reward, prompt
+    weight and, in records from 2026-12-05 on, whether its rewards were all equal; before, read from a mean
+    reward of 0 or 1, which holds for 0/1 rewards), for each look of a prompt's last group (``REVISIT_STATES``)
+    the number of revisits and the share whose new group was spread: had signal. Runs without the records are
+    left out."""
+    counts = {state: [0, 0] for state in REVISIT_STATES}
+    for run in runs:
+        last = {}
+        for generation in run["generations"]:
+            for entry in generation.get("groups", []):
+                prompt, reward = entry[0], entry[1]
+                flat = entry[3] if len(entry) > 3 else reward in (0.0, 1.0)
+                state = REVISIT_STATES[1] if not flat else REVISIT_STATES[0 if reward <= 0.5 else 2]
+                if prompt in last:
+                    counts[last[prompt]][0] += 1
+                    counts[last[prompt]][1] += not flat
+                last[prompt] = state
+    return {state: {"revisits": n, "spread_next": spread / n if n else None} for state, (n, spread) in counts.items()}

@@ -102,14 +102,15 @@ def timed(trainer_cls):
                     "completion_tokens": float(completion_tokens.sum()),
                     "trained_sequence_tokens": float(sequence_tokens[keep].sum()),
                     "sequence_tokens": float(sequence_tokens.sum()),
-                    # Per group (this rank's): its prompt (a short hash), mean reward and prompt weight, for reading
-                    # which prompts a sampler takes and what they give at each visit.
+                    # Per group (this rank's): its prompt (a short hash), mean reward, prompt weight and whether its
+                    # rewards were all equal: which prompts a sampler takes and what they give at each visit.
                     "groups": [
                         [hashlib.sha1(str(row["prompt"]).encode()).hexdigest()[:8], round(float(reward), 4),
-                         None if weights is None else round(float(weight), 4)]
-                        for row, reward, weight in zip(
+                         None if weight is None else round(float(weight), 4), bool(flat)]
+                        for row, reward, weight, flat in zip(
                             inputs[:: self.num_generations], spread.mean(1).tolist(),
                             [None] * spread.size(0) if weights is None else weights[:: self.num_generations].tolist(),
+                            (spread.amax(1) == spread.amin(1)).tolist(),
                         )
                     ],
                 }
