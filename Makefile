@@ -116,8 +116,8 @@ bench-real-phases: $(STAMP) smollm2
 	for v in grpo dr_grpo gspo; do \
 		$(PHASE_RUN) --variant $$v --methods grpo dppo --json benchmarks/results/bench_real_phases_$$v.json || exit 1; done
 
-# Learning per step: seeds two side by side, one thread each, records kept per seed (benchmarks/learning.sh),
-# then the summary with the projection; GSPO over 3 seeds.
+# Learning per step: seeds two side by side, one thread each, records kept per seed (benchmarks/learning.sh:
+# GRPO, DPPO, DPPO + prompt pruning with each prompt score), then the summary with the projection; GSPO over 3 seeds.
 LEARNING_SEEDS ?= 0 1 2 3 4 5
 bench-real-learning: $(STAMP) smollm2
 	bash benchmarks/learning.sh $(LEARNING_SEEDS)
