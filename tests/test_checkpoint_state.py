@@ -15,6 +15,7 @@ from dppo_trl.hooks.checkpoint import STATE_FILE, load_dppo_state
 pytestmark = pytest.mark.slow
 
 AUDIT_TIME_RECORDS = ("train_time_ratio", "step_time_ratio", "generation_share")
+CALIBRATION_STATE = ("cells", "calibration", "calibration_seen", "reward_range")  # prompt sampler, newer
 OLD_FILES = {"prompt_pruning": "dppo_prompt_sampler.json", "audit": "dppo_audit.pt"}
 
 
@@ -58,6 +59,9 @@ def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_mod
     if kind == "audit":  # the time ratios came after the old format, and a run's timings are its machine's
         new_records = new_state["audit"]["records"]
         assert all(isinstance(new_records.pop(name), list) for name in AUDIT_TIME_RECORDS)
+    if kind == "prompt_pruning":  # the calibrated score's state came after the old format
+        sampler = new_state["prompt_pruning"]["sampler"]
+        assert [type(sampler.pop(name)) for name in CALIBRATION_STATE] == [list, list, list, list]
     assert_same_state(old_state, new_state)
 
     from_new, trainer_new = resumed_parameters(kind, str(tiny_model_dir), tmp_path / "from-new", new)
