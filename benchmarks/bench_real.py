@@ -223,6 +223,7 @@ def main(argv=None):
     runs_file = runs_path(args.json)  # per-step records, written before any summary
     if args.from_runs:
         runs, trainer_args, elapsed = merged_runs(args.from_runs)
+        args.seeds = sorted({r["seed"] for r in runs})  # what the records hold, not the option's default
         return report(args, runs, trainer_args, elapsed, Path(args.from_runs[0]))
     if "grpo" not in args.methods:
         parser.error("--methods must include grpo: every ratio is to GRPO's run of the same seed")

@@ -4,13 +4,13 @@
 # benchmarks/results/learning/ (a seed already recorded is not run again), then one summary over every recorded
 # seed with the projection from the paired per-phase runs (make bench-real-phases).
 #
-#   bash benchmarks/learning.sh 0 1 2 3 4 5                 # TRL's defaults (dapo): GRPO, DPPO, DPPO + prompt
+#   bash benchmarks/learning.sh 0 1 2 3 4 5    # TRL's defaults (dapo): GRPO, DPPO, DPPO + prompt pruning (both scores)
 #   VARIANT=gspo METHODS="grpo dppo" bash benchmarks/learning.sh 0 1 2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 VARIANT=${VARIANT:-dapo}
-METHODS=${METHODS:-grpo dppo dppo+prompt}
+METHODS=${METHODS:-grpo dppo dppo+prompt dppo+calibrated}
 DIR=benchmarks/results/learning
 mkdir -p "$DIR"
 tag=$([ "$VARIANT" = dapo ] && echo real || echo "real_$VARIANT")
