@@ -80,8 +80,8 @@ def kilo(x: float) -> str:
     return f"{x / 1000:.0f}k"
 
 
-def pm(mean: float, sd: float) -> str:
-    return f"{mean:.3f} ± {sd:.3f}"
+def pm(mean: float, sd: float, spec: str = ".3f") -> str:
+    return f"{mean:{spec}} ± {sd:{spec}}"
 
 
 def span(values: list, spec: str = ".2f") -> str:
@@ -501,7 +501,7 @@ def prompt_pruning_table(data: dict) -> str:
     header = ["method", "seeds", "groups without signal", "raw reward of the generated prompts", "completions kept",
               "steps to target: held-out", "held-out at the end"]
     def cell(r, key, spec=".2f"):
-        return "-" if r.get(key + "_mean") is None else f"{r[key + '_mean']:{spec}} ± {r[key + '_se']:{spec}}"
+        return "-" if r.get(key + "_mean") is None else pm(r[key + "_mean"], r[key + "_se"], spec)
 
     body = [[REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
              cell(r, "later_zero_variance_share"), cell(r, "later_generated_reward"), f"{r['kept_fraction']:.0%}",

@@ -384,3 +384,11 @@ def test_adaptive_keep_rate_is_the_smallest_rate_that_meets_the_target():
     assert easy == 0.2 and error(peaked, 0.2) <= 0.3  # already met at completion_keep_rate: prune that much
     assert 0.2 < hard < 1.0 and error(spread, hard) <= 0.3 < error(spread, hard - 2e-3)
     assert adaptive_keep_rate(problem(spread), 1e-9) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_design_name_taken_by_another_function_is_refused_and_the_same_function_again_is_not():
+    with pytest.raises(ValueError, match="register_design: the name 'stratified' is taken by dppo_trl.core.pruning"):
+        pruning.register_design("stratified", unbiased=True)(lambda problem, generator: (None, None))
+    same = pruning.get_design("stratified")
+    assert pruning.register_design("stratified", unbiased=True)(same) is same
+    assert pruning.get_design("stratified") is same and "stratified" in pruning.unbiased_designs()

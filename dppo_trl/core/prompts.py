@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .estimator import expected_batch_tokens
-from .pruning import keep_probabilities
+from .pruning import keep_probabilities, refuse_taken_name
 
 
 def prompt_acceptance_probabilities(
@@ -68,12 +68,10 @@ def register_prompt_score(name: str):
     """Register ``fn(sampler) -> (scores, known)`` as the prompt score ``name``: per prompt, the predicted mean
     |A| of its next group, from the history alone (fixed before the epoch's acceptance draw, which keeps the
     weights ``q_bar / q`` exact), and whether there is a prediction (a prompt without one gets ``q = 1``, like a
-    prompt never seen). A taken name is refused."""
+    prompt never seen). A taken name is refused (``pruning.refuse_taken_name``)."""
 
     def decorate(fn: PromptScore) -> PromptScore:
-        taken = _PROMPT_SCORES.get(name)
-        if taken is not None and (taken.__module__, taken.__qualname__) != (fn.__module__, fn.__qualname__):
-            raise ValueError(f"register_prompt_score: the name {name!r} is taken; registered: {list(_PROMPT_SCORES)}.")
+        refuse_taken_name("register_prompt_score", name, _PROMPT_SCORES.get(name), fn, _PROMPT_SCORES)
         _PROMPT_SCORES[name] = fn
         return fn
 

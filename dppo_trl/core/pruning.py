@@ -228,6 +228,16 @@ Design = Callable[[PruneProblem, torch.Generator], tuple[torch.Tensor, "torch.Te
 _DESIGNS: dict[str, tuple[Design, bool]] = {}
 
 
+def refuse_taken_name(registry: str, name: str, taken: Callable | None, fn: Callable, registered) -> None:
+    """Every registry's one check: ``name`` held by another function than ``fn`` is refused; the same function
+    again (the same module and name: a reloaded module) is not."""
+    if taken is not None and (taken.__module__, taken.__qualname__) != (fn.__module__, fn.__qualname__):
+        raise ValueError(
+            f"{registry}: the name {name!r} is taken by {taken.__module__}.{taken.__qualname__}; "
+            f"choose another name (registered: {list(registered)})."
+        )
+
+
 def register_design(name: str, unbiased: bool):
     """Register ``fn(problem, generator) -> (keep, pi)`` as the sampling design ``name``. An unbiased design keeps
     row ``n`` with probability exactly ``pi[n]`` (its rows then carry ``1 / pi``); a biased one returns
@@ -235,13 +245,7 @@ def register_design(name: str, unbiased: bool):
     (the same module and name: a reloaded module)."""
 
     def decorate(fn: Design) -> Design:
-        if name in _DESIGNS:
-            taken, _ = _DESIGNS[name]
-            if (taken.__module__, taken.__qualname__) != (fn.__module__, fn.__qualname__):
-                raise ValueError(
-                    f"register_design: the name {name!r} is taken by {taken.__module__}.{taken.__qualname__}; "
-                    f"choose another name (registered: {list(_DESIGNS)})."
-                )
+        refuse_taken_name("register_design", name, _DESIGNS.get(name, (None,))[0], fn, _DESIGNS)
         _DESIGNS[name] = (fn, unbiased)
         return fn
 
