@@ -92,8 +92,8 @@ def _ema_score(sampler: PromptPruningSampler) -> tuple[torch.Tensor, torch.Tenso
 def _calibrated_score(sampler: PromptPruningSampler) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean |A| that prompts seen in the same cell (``history_cell``) of their last group got at their next
     visit, a moving average over the run's revisits (``CALIBRATION_DECAY``). A policy that learns fast moves a
-    prompt from cell to cell between visits (a spread group is often solved at the next visit, an unsolved one
-    spread); the cell's measured outcome follows that, where the prompt's own last score would not."""
+    prompt from cell to cell between visits (a group spread at one visit is often solved at the next); the cell's
+    measured outcome follows that, where the prompt's own last score would not."""
     cells = sampler.cells.clamp(min=0)
     known = sampler.seen & (sampler.cells >= 0) & sampler.calibration_seen[cells]
     return torch.where(known, sampler.calibration[cells], 0.0), known
