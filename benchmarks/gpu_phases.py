@@ -140,7 +140,8 @@ def packed_pass(model, batch, rows, weights, calls, packing, varlen: bool, grad:
     scales = batch["advantages"][rows] * weights
     for call, packed_rows in calls:  # positions into ``rows``; its packed rows, positions into ``call``
         sel = torch.tensor(call, device=ids.device)
-        packed = packing.packed_inputs(ids[sel], mask[sel], width, packed_rows, PAD)
+        segments = [[[i] for i in row] for row in packed_rows]  # each row alone (no prefix sharing here)
+        packed = packing.packed_inputs(ids[sel], mask[sel], width, segments, PAD)
         kwargs = packing.varlen_kwargs(packed["position_ids"]) if varlen else {}
         with torch.set_grad_enabled(grad):
             logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], **kwargs).logits

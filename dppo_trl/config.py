@@ -94,6 +94,7 @@ ALLOWED_VALUES: dict[str, Allowed] = {
                             lambda: f"one of {list(prompt_scores())}"),
     "packing": Allowed(lambda v: isinstance(v, bool), "True or False"),
     "max_packed_tokens": Allowed(lambda v: v is None or _integer(v, 1), "None or an integer >= 1"),
+    "prefix_sharing": Allowed(lambda v: v is None or isinstance(v, bool), "None, True or False"),
     # GRPO's field, checked in every configuration: GRPOConfig accepts a typo, which fails at the first loss.
     "loss_type": Allowed(lambda v: v in SUPPORTED_LOSS_TYPES, f"one of {list(SUPPORTED_LOSS_TYPES)}"),
 }
@@ -203,6 +204,11 @@ class DPPOConfig(GRPOConfig):
             Token budget of one packed row. `None`: a budget by attention implementation. What a longer sequence
             gets, and why no forward call is larger than TRL's whatever the budget: `docs/packing.md`, "The plan",
             items 2 and 4.
+        prefix_sharing (`bool` or `None`, *optional*, defaults to `None`):
+            Prefix sharing in the packed passes (`docs/packing.md`, "Prefix sharing"): the kept completions of a
+            group forward their prompt once, exactly. `None`: on where the model's attention kernel and layers
+            make it exact (sdpa or eager, full attention, no MoE router loss), else off with the reason logged once.
+            `True`: on, and an error at construction where it is not exact. `False`: off.
     """
 
     completion_keep_rate: float = field(
@@ -307,6 +313,13 @@ class DPPOConfig(GRPOConfig):
     max_packed_tokens: int | None = field(
         default=None,
         metadata={"help": "Token budget of one packed row; None: by attention implementation."},
+    )
+    prefix_sharing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Forward each group's prompt once in the packed passes; None: on where exact for the model's "
+            "attention, True: on (an error where not exact), False: off."
+        },
     )
 
     def __post_init__(self):
@@ -484,6 +497,7 @@ UNUSED_SETTING_RULES = (
     UnusedSetting("prompt_history_decay", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("prompt_score", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("max_packed_tokens", _no_packing, "is not used with packing=False"),
+    UnusedSetting("prefix_sharing", _no_packing, "is not used with packing=False"),
 )
 
 

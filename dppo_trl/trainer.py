@@ -9,7 +9,8 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - ``_prepare_inputs``: TRL's shuffle, then the kept rows (not TRL's equal split of all rows) make the
   ``steps_per_generation`` micro-batches, balanced by tokens when packing (TRL's own split under the entropy
   filter); each row carries its micro-batch of TRL's split, whose token count ``bnpo`` and the entropy bonus
-  divide by, so no statistic is taken over a packing bin.
+  divide by, so no statistic is taken over a packing bin. With prefix sharing (``hooks.prefix_sharing``) a group's
+  kept rows on a rank train together and forward their prompt once.
 - ``_get_per_token_logps_and_entropies``: defers the passes during scoring; with packing, runs them padding-free
   and unpacks the result into TRL's padded ``(B, T)`` layout, so TRL's loss code runs unchanged.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled to
@@ -41,6 +42,7 @@ from .hooks.checkpoint import load_dppo_state, save_dppo_state
 from .hooks.generation_batch import BATCH_KEY, GenerationBatch
 from .hooks.keep_decision import KeepDecision
 from .hooks.placement import RowPlacement
+from .hooks.prefix_sharing import PrefixSharing
 from .hooks.prompt_pruning import DataProgressBarCallback, DataProgressScheduler, PromptPruning
 from .hooks.summary import DPPOSummaryCallback
 from .hooks.weighted_loss import WeightedLoss
@@ -48,7 +50,7 @@ from .hooks.weighted_metrics import WeightedMetrics
 
 
 class DPPOTrainer(
-    KeepDecision, RowPlacement, WeightedLoss, WeightedMetrics, PromptPruning, GradientAudit, GRPOTrainer
+    KeepDecision, RowPlacement, PrefixSharing, WeightedLoss, WeightedMetrics, PromptPruning, GradientAudit, GRPOTrainer
 ):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
     batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
@@ -101,8 +103,10 @@ class DPPOTrainer(
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
-        attention = getattr(self.accelerator.unwrap_model(self.model).config, "_attn_implementation", None) or ""
+        model_config = self.accelerator.unwrap_model(self.model).config
+        attention = getattr(model_config, "_attn_implementation", None) or ""
         self._varlen_attention = is_varlen_attention(attention)
+        self._prefix_sharing = self._resolve_prefix_sharing(model_config.get_text_config(), attention)
         self.add_callback(DPPOSummaryCallback(self._audit_summary))
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))

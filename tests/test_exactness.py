@@ -9,7 +9,13 @@ import pytest
 import torch
 import varlen_reference
 from support.configs import cpu_config, simulated_vllm_config
-from support.oracle import dppo_loss_and_grad, make_trainer, padded_and_packed_loss_and_grad, synthetic_batch
+from support.oracle import (
+    dppo_loss_and_grad,
+    generation_batch_of,
+    make_trainer,
+    padded_and_packed_loss_and_grad,
+    synthetic_batch,
+)
 from support.recording import RecordingTrainer, append, recording
 from support.sampler import SimulatedVLLM
 from support.training import build, train
@@ -177,7 +183,7 @@ def test_each_optimizer_step_gets_a_fair_share_of_rows_when_ga_is_below_spg(tmp_
         "completion_mask": (torch.arange(comp)[None] < lengths[:, None]).long(),
         "advantages": torch.ones(rows), "dppo_weight": keep.float(),
     }
-    state = GenerationBatch(kept_lengths_per_rank=[(lengths[keep] + 2).tolist()])
+    state = generation_batch_of(batch, keep)
     first_rows, first_long, first_sizes = [], [], set()
     for seed in range(400):
         trainer.args.prune_seed = seed

@@ -228,7 +228,7 @@ def test_packed_inputs_lay_real_tokens_back_to_back_with_restarting_positions():
     pad = 0
     ids = torch.tensor([[0, 5, 6, 7, 8], [9, 10, 11, 12, 0], [0, 16, 13, 14, 15]])  # prompt width 2, completion 3
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])
-    packed = packed_inputs(ids, mask, 3, [[1, 2], [0]], pad)
+    packed = packed_inputs(ids, mask, 3, [[[1], [2]], [[0]]], pad)
     assert packed["input_ids"].tolist() == [[9, 10, 11, 12, 16, 13, 14, 15], [5, 6, 7, 8, 0, 0, 0, 0]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 0, 1, 2, 3]]
     # Each completion token is the label of the position before it; nothing crosses a sequence boundary.

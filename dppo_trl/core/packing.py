@@ -42,28 +42,37 @@ def is_varlen_attention(name: str | None) -> bool:
     return bool(name) and ("flash" in name or name in _VARLEN_ATTENTION)
 
 
-def _lpt_order(lengths: list[int]) -> list[int]:
-    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+def _lpt_order(lengths: list[int], rows_of: list[int] | None = None) -> list[int]:
+    rows_of = rows_of or [1] * len(lengths)
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], -rows_of[i], i))
 
 
-def assign_microbatches(lengths: list[int], num_microbatches: int, max_rows: int | None = None) -> list[list[int]]:
-    """Indices of the rows in each of ``num_microbatches`` bins (LPT; ties: fewer rows, then lower bin).
+def assign_microbatches(
+    lengths: list[int], num_microbatches: int, max_rows: int | None = None, rows_of: list[int] | None = None
+) -> list[list[int]]:
+    """Indices of the items in each of ``num_microbatches`` bins (LPT; ties: fewer rows, then lower bin). An item
+    is a row, or with ``rows_of`` a unit of ``rows_of[i]`` rows (a segment sharing its prompt, ``core.prefix``).
 
-    With ``max_rows``, a bin holding that many rows takes no more (the cap is raised to
-    ``ceil(rows / bins)`` when it could not hold every row). Deterministic, and the bins' (row count, token
-    load) profile depends only on the multiset of lengths, so every rank can compute every other rank's profile
-    from the gathered lengths alone.
+    With ``max_rows``, a bin takes an item only while it stays within that many rows (the cap is raised to
+    ``ceil(rows / bins)`` when it could not hold every row), or, when no bin can, the least loaded one.
+    Deterministic, and the bins' (row count, token load) profile depends only on the multiset of
+    ``(length, rows)`` pairs, so every rank can compute every other rank's profile from the gathered lengths alone.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches!r} must be >= 1")
-    cap = math.inf if max_rows is None else max(max_rows, -(-len(lengths) // num_microbatches))
+    rows_of = rows_of or [1] * len(lengths)
+    cap = math.inf if max_rows is None else max(max_rows, -(-sum(rows_of) // num_microbatches))
     bins: list[list[int]] = [[] for _ in range(num_microbatches)]
     heap = [(0, 0, b) for b in range(num_microbatches)]  # (load, rows, bin): the least loaded bin on top
-    for i in _lpt_order(lengths):
-        load, rows, target = heapq.heappop(heap)
+    for i in _lpt_order(lengths, rows_of):
+        popped = [heapq.heappop(heap)]
+        while popped[-1][1] + rows_of[i] > cap and heap:
+            popped.append(heapq.heappop(heap))
+        fits = [entry for entry in popped if entry[1] + rows_of[i] <= cap]
+        load, rows, target = fits[0] if fits else popped[0]
         bins[target].append(i)
-        if rows + 1 < cap:  # a full bin leaves the heap
-            heapq.heappush(heap, (load + lengths[i], rows + 1, target))
+        for entry in popped:
+            heapq.heappush(heap, (load + lengths[i], rows + rows_of[i], target) if entry[2] == target else entry)
     return bins
 
 
@@ -97,6 +106,8 @@ def microbatch_plan(
     max_rows: int,
     packing: bool,
     generator: torch.Generator,
+    own_unit_rows: list[int] | None = None,
+    unit_rows_per_rank: list[list[int]] | None = None,
 ) -> tuple[list[list[int]], list[int]]:
     """This rank's micro-batches ``(bins, sizes)``: ``bins[j]`` the positions (into ``own_lengths``, this rank's
     kept rows in TRL's shuffled order) of micro-batch ``j``; ``sizes[j]`` its row count, the same on every rank
@@ -108,17 +119,22 @@ def microbatch_plan(
     way, with ``gradient_accumulation_steps < num_microbatches`` each optimizer step's expected share of a rank's
     kept rows is ``gradient_accumulation_steps / num_microbatches``, whatever the rank kept, and the shuffle makes
     it every row's probability of landing there. Integer arithmetic only: ranks given the same gathered lengths
-    and generator agree exactly."""
+    and generator agree exactly. With prefix sharing the items are units (``own_unit_rows`` and ``unit_rows_per_rank``:
+    each unit's row count; its length is its segment's tokens): ``bins`` then hold unit positions, ``sizes`` rows."""
     order = microbatch_order(num_microbatches, generator)
 
-    def split(lengths: list[int]) -> list[list[int]]:
+    def split(lengths: list[int], rows_of: list[int] | None) -> list[list[int]]:
         if packing:
-            bins = assign_microbatches(lengths, num_microbatches, max_rows)
+            bins = assign_microbatches(lengths, num_microbatches, max_rows, rows_of)
             return [bins[j] for j in order]
         return even_split(len(lengths), num_microbatches, order)
 
-    counts = [[len(b) for b in split(lengths)] for lengths in kept_lengths_per_rank]
-    return split(own_lengths), [max(1, *column) for column in zip(*counts)]
+    rows_per_rank = unit_rows_per_rank or [None] * len(kept_lengths_per_rank)
+    counts = [
+        [sum(rows_of[i] for i in b) if rows_of else len(b) for b in split(lengths, rows_of)]
+        for lengths, rows_of in zip(kept_lengths_per_rank, rows_per_rank)
+    ]
+    return split(own_lengths, own_unit_rows), [max(1, *column) for column in zip(*counts)]
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -149,30 +165,43 @@ def _allocation(lengths: list[int], rows: list[list[int]]) -> int:
     return len(rows) * max((sum(lengths[i] for i in row) for row in rows), default=0)
 
 
-def packed_allocation(lengths: list[int], budget: int, call_budget: int | None = None) -> int:
-    """Tokens one forward call allocates for ``pack_call(lengths, budget, call_budget)``: rows x the longest
-    packed row."""
-    return _allocation(lengths, pack_call(lengths, budget, call_budget))
+def packed_allocation(
+    lengths: list[int], budget: int, call_budget: int | None = None, fit_longest: bool = False
+) -> int:
+    """Tokens one forward call allocates for ``pack_call(lengths, budget, call_budget, fit_longest)``: rows x
+    the longest packed row."""
+    return _allocation(lengths, pack_call(lengths, budget, call_budget, fit_longest))
 
 
-def pack_call(lengths: list[int], row_budget: int, call_budget: int | None = None) -> list[list[int]]:
-    """The packed rows of one forward call: ``pack_rows`` at ``min(row_budget, call_budget)``; when that
-    allocates more than ``call_budget``, one sequence per row instead (then ``rows x longest``, which is at
-    most TRL's padded call of the same rows)."""
+def pack_call(
+    lengths: list[int], row_budget: int, call_budget: int | None = None, fit_longest: bool = False
+) -> list[list[int]]:
+    """The packed rows of one forward call: ``pack_rows`` at ``min(row_budget, call_budget)`` (with
+    ``fit_longest``, the budget raised to the longest item: a segment sharing its prompt is longer than a row);
+    when that allocates more than ``call_budget``, one item per row instead (then ``rows x longest``, which is at
+    most TRL's padded call of the same rows when each item is one row); with ``fit_longest``, when that too
+    allocates more, all in one row (its real tokens, at most those of TRL's call of the same rows)."""
+    if fit_longest and lengths:
+        row_budget = max(row_budget, max(lengths))
     if call_budget is None:
         return pack_rows(lengths, row_budget)
     rows = pack_rows(lengths, max(1, min(row_budget, call_budget)))
     if _allocation(lengths, rows) > call_budget and lengths:
         rows = [[i] for i in _lpt_order(lengths)]
+        if fit_longest and _allocation(lengths, rows) > call_budget:
+            rows = [_lpt_order(lengths)]
     return rows
 
 
-def plan_forward_calls(lengths: list[int], max_rows: int, row_budget: int, call_budget: int) -> list[list[int]]:
+def plan_forward_calls(
+    lengths: list[int], max_rows: int, row_budget: int, call_budget: int, fit_longest: bool = False
+) -> list[list[int]]:
     """The sequences of each forward call of a no-grad pass (old-policy, reference): as few calls as keep
     every call's ``pack_call`` allocation within ``call_budget``, trying from ``ceil(tokens / call_budget)``
     calls up to ``ceil(len / max_rows)`` calls of at most ``max_rows`` sequences (which always fits when
     ``call_budget >= max_rows x max(lengths)``, TRL's chunk). At least one call (an empty one when there is
-    nothing to forward). The number of calls depends only on the multiset of lengths."""
+    nothing to forward). The number of calls depends only on the multiset of lengths. ``fit_longest``: as in
+    ``pack_call`` (segments sharing their prompt)."""
     if not lengths:
         return [[]]
     most = -(-len(lengths) // max(1, max_rows))
@@ -180,7 +209,7 @@ def plan_forward_calls(lengths: list[int], max_rows: int, row_budget: int, call_
     for calls in range(fewest, most + 1):
         groups = assign_microbatches(lengths, calls, None if calls < most else max_rows)
         if calls == most or all(
-            _allocation([lengths[i] for i in g], pack_call([lengths[i] for i in g], row_budget, call_budget))
+            packed_allocation([lengths[i] for i in g], row_budget, call_budget, fit_longest)
             <= call_budget
             for g in groups
         ):
@@ -235,14 +264,25 @@ def balance_ranks(lengths_per_rank: list[list[int]], tolerance: float = 0.1) -> 
 
 
 def plan_calls_per_rank(
-    lengths_per_rank: list[list[int]], widths_per_rank: list[int], rows_per_call: int, row_budget
+    lengths_per_rank: list[list[int]],
+    widths_per_rank: list[int],
+    rows_per_call: int,
+    row_budget,
+    items_per_call: int | None = None,
+    fit_longest: bool = False,
 ) -> list[list[list[int]]]:
     """Every rank's forward calls of a deferred pass (``plan_forward_calls``), each rank's planned with its OWN
     padded width (ranks pad their batches separately), then padded with empty calls to the same number on every
     rank: what every rank computes identically from the gathered lengths and widths. ``row_budget``: padded
-    width -> row budget."""
+    width -> row budget; a call allocates at most ``rows_per_call x width`` tokens and holds at most
+    ``items_per_call`` items (default ``rows_per_call``; 1 for units of up to ``rows_per_call`` rows)."""
+    most = items_per_call or rows_per_call
     plans = [
-        [g for g in plan_forward_calls(lengths, rows_per_call, row_budget(width), rows_per_call * width) if g]
+        [
+            g
+            for g in plan_forward_calls(lengths, most, row_budget(width), rows_per_call * width, fit_longest)
+            if g
+        ]
         for lengths, width in zip(lengths_per_rank, widths_per_rank)
     ]
     calls = max(1, max(len(p) for p in plans))
@@ -250,40 +290,66 @@ def plan_calls_per_rank(
 
 
 def packed_inputs(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, rows: list[list[int]], pad_id: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    rows: list[list[list[int]]],
+    pad_id: int,
 ) -> dict:
-    """The tensors of one padding-free call over the padded batch ``input_ids`` (B, W): each row's real tokens
-    laid back to back in the packed rows ``rows`` (positions into the batch), ``position_ids`` restarting at
-    0 for each sequence (a row's tail of pad fillers counts on as a sequence of its own), and ``shift_labels``
-    pre-shifted so that no position predicts across a sequence boundary. ``index`` = (packed row, packed
-    column, batch row, completion column) of every completion token, where its log-prob is read (at
-    column - 1) and written back in TRL's ``(B, logits_to_keep)`` layout."""
+    """The tensors of one padding-free call over the padded batch ``input_ids`` (B, W): ``rows[r]`` the segments
+    of packed row ``r``, each a list of batch rows whose real prompt tokens are equal (``core.prefix``; a row
+    alone is a segment of one). A segment's rows are laid back to back, each after the first without its prompt's
+    first ``P - 1`` tokens (forwarded once, by the first row); ``position_ids`` are each row's own (0 at its first
+    real token; a row's tail of pad fillers counts on as a sequence of its own); ``shift_labels`` pre-shifted so
+    that no position predicts across a row. ``index`` = (packed row, packed column, batch row, completion column)
+    of every completion token, where its log-prob is read (at column - 1) and written back in TRL's
+    ``(B, logits_to_keep)`` layout; ``layout`` = (segment ids, branch ids) of every column, for
+    ``core.prefix.prefix_attention_mask``."""
     real = attention_mask.bool()
     device = input_ids.device
     lengths = real.sum(1).tolist()
-    packed_row, start, used = [0] * len(lengths), [0] * len(lengths), []
+    prompt_lengths = real[:, : input_ids.size(1) - logits_to_keep].sum(1).tolist()
+    batch = len(lengths)
+    packed_row, base, skip, shared, segment_of, branch_of = ([0] * batch for _ in range(6))
+    used = []
     for r, row in enumerate(rows):
         offset = 0
-        for b in row:
-            packed_row[b], start[b] = r, offset
-            offset += lengths[b]
+        for s, segment in enumerate(row):
+            prefix = max(prompt_lengths[segment[0]] - 1, 0) if len(segment) > 1 else 0
+            for i, b in enumerate(segment):
+                packed_row[b], segment_of[b], branch_of[b], shared[b] = r, s, i + 1, prefix
+                skip[b] = prefix if i else 0
+                base[b] = offset - skip[b]  # real token k of row b lands at column base[b] + k
+                offset += lengths[b] - skip[b]
         used.append(offset)
     width = max(max(used, default=0), 1)
-    # Every real token (b, t) goes to packed row packed_row[b], column start[b] + k (k: its rank in row b).
+    as_tensor = lambda values: torch.tensor(values, device=device, dtype=torch.long)  # noqa: E731
     b, t = real.nonzero(as_tuple=True)
     k = (real.cumsum(1) - 1)[b, t]
-    r = torch.tensor(packed_row, device=device, dtype=torch.long)[b]
-    c = torch.tensor(start, device=device, dtype=torch.long)[b] + k
+    placed = k >= as_tensor(skip)[b]
+    b, t, k = b[placed], t[placed], k[placed]
+    r = as_tensor(packed_row)[b]
+    c = as_tensor(base)[b] + k
     ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype, device=device)
     ids[r, c] = input_ids[b, t]
     position_ids = torch.arange(width, device=device).unsqueeze(0) - torch.tensor(used, device=device)[:, None]
     position_ids = position_ids.clamp(min=0)
     position_ids[r, c] = k
+    segment_ids = as_tensor([len(row) for row in rows])[:, None].repeat(1, width)  # the pad tail's own segment
+    segment_ids[r, c] = as_tensor(segment_of)[b]
+    branch_ids = torch.zeros_like(segment_ids)
+    branch_ids[r, c] = torch.where(k < as_tensor(shared)[b], 0, as_tensor(branch_of)[b])
     completion = t >= input_ids.size(1) - logits_to_keep
     r, c, b, j = r[completion], c[completion], b[completion], (t - (input_ids.size(1) - logits_to_keep))[completion]
     labels = torch.full((len(rows), width), -100, dtype=input_ids.dtype, device=device)
     labels[r, c - 1] = ids[r, c]
-    return {"input_ids": ids, "position_ids": position_ids, "shift_labels": labels, "index": (r, c, b, j)}
+    return {
+        "input_ids": ids,
+        "position_ids": position_ids,
+        "shift_labels": labels,
+        "index": (r, c, b, j),
+        "layout": (segment_ids, branch_ids),
+    }
 
 
 def varlen_kwargs(position_ids: torch.Tensor) -> dict:

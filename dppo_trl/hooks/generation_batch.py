@@ -35,6 +35,8 @@ class GenerationBatch:
         padded_widths: (world, 2) long: each rank's padded prompt and completion widths.
         widths_per_rank: each rank's padded sequence width (every rank's the widest once rows move).
         kept_lengths_per_rank: per rank, the sequence lengths of the rows it trains, in order.
+        kept_rows_per_rank: per rank, the rows it trains (indices into the ``N`` rows; row // num_generations is
+            the row's group), in the order of ``kept_lengths_per_rank``.
         keep: (N,) bool: the keep decision, the same on every rank.
         weights: (N,) float64: the rows' Horvitz-Thompson weights (times the prompt weights).
         keep_probabilities: (N,) float64 ``pi``, None for the deterministic designs.
@@ -51,6 +53,7 @@ class GenerationBatch:
     padded_widths: torch.Tensor | None = None
     widths_per_rank: list[int] = dataclasses.field(default_factory=list)
     kept_lengths_per_rank: list[list[int]] = dataclasses.field(default_factory=list)
+    kept_rows_per_rank: list[list[int]] = dataclasses.field(default_factory=list)
     keep: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     keep_probabilities: torch.Tensor | None = None

@@ -89,6 +89,7 @@ class KeepDecision:
         world = self.accelerator.num_processes
         per_rank = zip(batch.sequence_lengths.view(world, local_rows), keep.view(world, local_rows))
         batch.kept_lengths_per_rank = [rank_lengths[kept].tolist() for rank_lengths, kept in per_rank]
+        batch.kept_rows_per_rank = [rows[keep[rows]].tolist() for rows in torch.arange(keep.numel()).view(world, -1)]
 
     def _decide_keep(self, scores: torch.Tensor, batch: GenerationBatch) -> tuple:
         """``(keep, pi, summary)`` of the generation batch: the design's mask and keep probabilities (``pi`` None

@@ -4,9 +4,10 @@ rows between ranks for an even token load, the deferred log-prob passes on the k
 ``dppo_trl.core.batch``.
 
 Reads of the host trainer: ``args``, ``accelerator``, ``model``, ``ref_model``, ``beta``, ``top_entropy_quantile``,
-``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``;
+``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``, ``_prefix_sharing``;
 ``_get_per_token_logps_and_entropies`` (TRL's hook, DPPO's override), ``_seed_of`` (the keep decision),
-``_recompute_vllm_importance_sampling`` (the re-estimated metrics)."""
+``_recompute_vllm_importance_sampling`` (the re-estimated metrics), ``_rank_units``, ``_call_segments`` and
+``_prefix_mask`` (``hooks.prefix_sharing``)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class RowPlacement:
         return self.top_entropy_quantile < 1.0
 
     def _trl_split_of_rows(self, output: dict, batch: GenerationBatch) -> dict:
-        """Per-row entries that travel with each row, also to another rank: ``dppo_trl_microbatch``, the micro-batch
+        """Per-row entries that travel with each row, also to another rank: ``dppo_row``, its index in the generation
+        batch (its group: ``dppo_row // num_generations``); ``dppo_trl_microbatch``, the micro-batch
         of TRL's split the row would be in (TRL's shuffle replayed from the RNG state it is about to draw from,
         without drawing: GRPO's split wherever nothing draws in between, e.g. dropout in the deferred passes;
         random and independent of the keep draw either way), ``dppo_trl_microbatch_tokens``, that micro-batch's
@@ -66,7 +68,9 @@ class RowPlacement:
             permutation = torch.randperm(rows)  # shuffle_sequence_dict's draw
         microbatch = trl_microbatch_of_rows(permutation, self.args.steps_per_generation)
         tokens = microbatch_token_counts(microbatch, loss_mask(output).sum(1), self.args.steps_per_generation)
+        first = self.accelerator.process_index * rows
         return {
+            "dppo_row": torch.arange(first, first + rows, device=device),
             "dppo_trl_microbatch": microbatch.to(device),
             "dppo_trl_microbatch_tokens": tokens.to(device, torch.float32),
             "dppo_origin_rank": torch.full((rows,), self.accelerator.process_index, device=device),
@@ -108,6 +112,7 @@ class RowPlacement:
         out["dppo_keep"][leaving] = False
         out["dppo_weight"][leaving] = 0.0
         batch.kept_lengths_per_rank = [[length(row) for row in rows] for rows in plan]
+        batch.kept_rows_per_rank = [[batch.kept_rows_per_rank[r][i] for r, i in rows] for rows in plan]
         return out
 
     @profiling_decorator
@@ -123,7 +128,7 @@ class RowPlacement:
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         filler_mask = torch.zeros_like(attention_mask[:1])
         filler_mask[:, output["prompt_ids"].size(1) - 1] = 1  # one real token: the last prompt column
-        groups = self._deferred_call_groups(rows, batch)
+        groups = self._deferred_call_groups(rows, batch, output["dppo_row"][rows].tolist())
         logits_to_keep = output["completion_ids"].size(1)
         calls = batch.deferred_calls
         for name, model in zip(self._deferred_pass_names(calls), calls):
@@ -155,11 +160,21 @@ class RowPlacement:
             return self.model, use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
         return model, contextlib.nullcontext()
 
-    def _deferred_call_groups(self, rows: torch.Tensor, batch: GenerationBatch) -> list[torch.Tensor]:
+    def _deferred_call_groups(
+        self, rows: torch.Tensor, batch: GenerationBatch, output_rows: list[int]
+    ) -> list[torch.Tensor]:
         """The kept rows of each forward call of a deferred pass, as many calls on every rank (each rank's calls
-        planned from the gathered kept lengths and padded widths of every rank)."""
+        planned from the gathered kept lengths and padded widths of every rank; with prefix sharing, from its
+        units, ``output_rows`` being the kept rows' indices in the generation batch)."""
         per_call = self.args.per_device_train_batch_size
         kept_lengths = batch.kept_lengths_per_rank
+        if self.args.packing and self._prefix_sharing:  # one group's rows in one call, at most per_call of them
+            units_per_rank = [self._rank_units(kept, batch) for kept in batch.kept_rows_per_rank]
+            plans = plan_calls_per_rank([u[1] for u in units_per_rank], batch.widths_per_rank, per_call,
+                                        self._packed_budget, items_per_call=1, fit_longest=True)
+            mine = self._rank_units(output_rows, batch)[0]
+            return [rows[torch.tensor([p for u in g for p in mine[u]], dtype=torch.long)]
+                    for g in plans[self.accelerator.process_index]]
         if self.args.packing:
             plans = plan_calls_per_rank(kept_lengths, batch.widths_per_rank, per_call, self._packed_budget)
             return [rows[torch.tensor(g, dtype=torch.long)] for g in plans[self.accelerator.process_index]]
@@ -183,14 +198,19 @@ class RowPlacement:
     ):
         """TRL's per-token log-probs (and entropies) of the completion tokens, computed padding-free in one forward
         call (``packed_inputs``: sequences back to back, ``position_ids`` restarting per sequence, pre-shifted
-        labels; with a variable-length kernel also ``cu_seq_lens``), allocating no more than TRL's padded call
-        of ``per_device_train_batch_size`` rows, and unpacked into TRL's padded ``(B, T)`` layout."""
-        lengths = attention_mask.sum(1).tolist()
+        labels; with prefix sharing the rows of one prompt as one segment under a 4-D mask; with a variable-length
+        kernel ``cu_seq_lens``), allocating no more than TRL's padded call of ``per_device_train_batch_size``
+        rows, and unpacked into TRL's padded ``(B, T)`` layout."""
+        segments, lengths = self._call_segments(input_ids, attention_mask, logits_to_keep)
         call_budget = self.args.per_device_train_batch_size * input_ids.size(1)
-        rows = pack_call(lengths, self._packed_budget(input_ids.size(1)), call_budget)
+        rows = pack_call(lengths, self._packed_budget(input_ids.size(1)), call_budget, self._prefix_sharing)
+        rows = [[segments[i] for i in row] for row in rows]
         packed = packed_inputs(input_ids, attention_mask, logits_to_keep, rows, self._tokenizer.pad_token_id)
         r, c, b, j = packed.pop("index")
-        if self._varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
+        layout = packed.pop("layout")
+        if self._prefix_sharing:  # each completion sees its segment's prompt and its own tokens
+            packed["attention_mask"] = self._prefix_mask(layout, self.accelerator.unwrap_model(model).dtype)
+        elif self._varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
             packed.update(varlen_kwargs(packed["position_ids"]))
         if compute_aux_loss:  # MoE: the router loss over the packed tokens
             packed["output_router_logits"] = True
@@ -214,10 +234,13 @@ class RowPlacement:
         slot with no kept row fills up with zero-weight filler rows of one token."""
         keep, trl_microbatch = rows.pop("dppo_keep"), rows.pop("dppo_trl_microbatch")
         rows.pop("dppo_origin_rank")
+        row_index = rows.pop("dppo_row").tolist()
         kept = keep.nonzero().flatten()
         lengths = (rows["prompt_mask"].sum(1) + rows["completion_mask"].sum(1)).tolist()
         if self._microbatches_follow_trl_split:
             bins, sizes = self._trl_split_bins(trl_microbatch, kept)
+        elif self.args.packing and self._prefix_sharing:
+            bins, sizes = self._unit_bins(kept.tolist(), [row_index[i] for i in kept.tolist()], batch)
         else:
             generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan"))
             positions, sizes = microbatch_plan(
@@ -234,8 +257,27 @@ class RowPlacement:
             with_fillers(select_rows(rows, torch.tensor(members, dtype=torch.long)), filler, size)
             for members, size in zip(bins, sizes)
         ]
-        self._log_microbatch_metrics(rows, lengths, bins, sizes)
+        self._log_microbatch_metrics(rows, lengths, bins, sizes, row_index, batch)
         return microbatches
+
+    def _unit_bins(self, kept: list[int], kept_rows: list[int], batch: GenerationBatch):
+        """``(bins, sizes)`` with prefix sharing: ``microbatch_plan`` over units (``_rank_units``: one group's kept
+        rows on this rank, one segment), so a group's rows train in one micro-batch and forward their prompt
+        once. ``kept``: positions of this rank's kept rows; ``kept_rows``: their indices in the generation batch."""
+        units, unit_lengths, unit_rows = self._rank_units(kept_rows, batch)
+        every_rank = [self._rank_units(rows_of_rank, batch) for rows_of_rank in batch.kept_rows_per_rank]
+        generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan"))
+        positions, sizes = microbatch_plan(
+            unit_lengths,
+            [u[1] for u in every_rank],
+            self.args.steps_per_generation,
+            self.args.per_device_train_batch_size,
+            True,
+            generator,
+            own_unit_rows=unit_rows,
+            unit_rows_per_rank=[u[2] for u in every_rank],
+        )
+        return [[kept[p] for u in bin_units for p in units[u]] for bin_units in positions], sizes
 
     def _trl_split_bins(self, trl_microbatch, kept) -> tuple[list[list[int]], list[int]]:
         """``(bins, sizes)``: bin ``j`` the kept rows of TRL's micro-batch ``j``; ``sizes[j]`` the most any rank has
@@ -247,21 +289,28 @@ class RowPlacement:
         sizes = self.accelerator.gather(counts).view(-1, steps).amax(0).clamp(min=1).tolist()
         return bins, sizes
 
-    def _log_microbatch_metrics(self, rows, lengths, bins, sizes) -> None:
-        """``dppo/token_density`` (real / allocated tokens) and ``dppo/microbatch_imbalance``, over all ranks."""
+    def _log_microbatch_metrics(self, rows, lengths, bins, sizes, row_index, batch) -> None:
+        """``dppo/token_density`` (real / allocated tokens), ``dppo/microbatch_imbalance`` and
+        ``dppo/prefix_tokens_saved`` (the share of the kept rows' token positions that prefix sharing removed), over
+        all ranks."""
         width = rows["prompt_ids"].size(1) + rows["completion_ids"].size(1)
         budget, call_budget = self._packed_budget(width), self.args.per_device_train_batch_size * width
-        tokens_per_mb = [float(sum(lengths[i] for i in members)) for members in bins]
-        allocated = 0.0
+        row_tokens = float(sum(lengths[i] for members in bins for i in members))
+        tokens_per_mb, allocated = [], 0.0
         for members, size in zip(bins, sizes):
             fillers = [1] * (size - len(members))  # a filler row forwards one token
-            member_lengths = [lengths[i] for i in members] + fillers
+            member_lengths = [lengths[i] for i in members]
+            if self.args.packing and self._prefix_sharing:
+                member_lengths = self._rank_units([row_index[i] for i in members], batch)[1]
+            tokens_per_mb.append(float(sum(member_lengths)))
             if self.args.packing:
-                allocated += packed_allocation(member_lengths, budget, call_budget)
+                allocated += packed_allocation(member_lengths + fillers, budget, call_budget, self._prefix_sharing)
             else:
                 allocated += size * width
-        stats = torch.tensor([sum(tokens_per_mb), allocated, max(tokens_per_mb), sum(tokens_per_mb) / len(bins)])
+        stats = torch.tensor([sum(tokens_per_mb), allocated, max(tokens_per_mb), sum(tokens_per_mb) / len(bins),
+                              row_tokens])
         stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum").cpu()
         metrics = self._metrics["train"]
         metrics["dppo/token_density"].append(float(stats[0] / stats[1]) if stats[1] > 0 else 0.0)
         metrics["dppo/microbatch_imbalance"].append(float(stats[2] / stats[3]) if stats[3] > 0 else 1.0)
+        metrics["dppo/prefix_tokens_saved"].append(float(1 - stats[0] / stats[4]) if stats[4] > 0 else 0.0)

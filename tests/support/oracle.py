@@ -64,14 +64,24 @@ def as_float64(batch):
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
 
 
+def generation_batch_of(batch, keep):
+    """The ``GenerationBatch`` of one rank's ``batch`` (TRL's rows) with the rows ``keep`` kept: their token counts,
+    kept lengths and kept rows, as ``hooks.keep_decision`` records them."""
+    from dppo_trl.hooks.generation_batch import GenerationBatch
+
+    prompt, completion = batch["prompt_mask"].sum(1), batch["completion_mask"].sum(1)
+    return GenerationBatch(
+        row_tokens=torch.stack([prompt, completion, completion], 1),
+        kept_lengths_per_rank=[(prompt + completion)[keep].tolist()],
+        kept_rows_per_rank=[keep.nonzero().flatten().tolist()],
+    )
+
+
 def dppo_loss_and_grad(trainer, batch, keep, weights):
     """Total loss and gradient of one generation batch through DPPOTrainer's own split and loss (TRL's split of
     the rows, whose micro-batch token counts ``bnpo`` and the entropy bonus divide by, drawn before the mask)."""
-    from dppo_trl.hooks.generation_batch import GenerationBatch
-
     b = dict(batch)
-    lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
-    state = GenerationBatch(kept_lengths_per_rank=[lengths[keep].tolist()])
+    state = generation_batch_of(batch, keep)
     b.update(trainer._trl_split_of_rows(b, state))
     b["dppo_keep"] = keep
     b["dppo_weight"] = weights.to(batch["advantages"].dtype)
