@@ -21,6 +21,7 @@ DPPO_FIELDS = {
     "audit_exact_params",
     "packing",
     "max_packed_tokens",
+    "prefix_sharing",
     "prompt_keep_rate",
     "prompt_keep_floor",
     "prompt_history_decay",

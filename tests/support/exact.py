@@ -1,6 +1,7 @@
-"""Float64 stand-ins for the two places where a forward or backward pass computes in float32 whatever the model's
-dtype: TRL's fused log-prob kernel and Qwen2's RMSNorm. With both replaced (``use_float64_kernels``), a float64
-model trains in float64 end to end, so exact oracles compare to float64 rounding."""
+"""Float64 stand-ins for the three places where a forward or backward pass computes in float32 whatever the model's
+dtype: TRL's fused log-prob kernel, Qwen2's RMSNorm and Qwen2's eager attention softmax. With them replaced
+(``use_float64_kernels``), a float64 model trains in float64 end to end, so exact oracles compare to float64
+rounding."""
 
 import torch
 
@@ -26,12 +27,25 @@ def rms_norm_in_input_dtype(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def eager_attention_in_input_dtype(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Qwen2's eager attention with its softmax in the inputs' dtype (transformers' takes it in float32)."""
+    from transformers.models.qwen2.modeling_qwen2 import repeat_kv
+
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.dropout(weights.softmax(-1), p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 def use_float64_kernels(set_attribute=setattr) -> None:
-    """Replace TRL's fused log-prob kernel by ``Float64LogProbs`` and Qwen2's RMSNorm forward by
-    ``rms_norm_in_input_dtype``, through ``set_attribute`` (``setattr`` for good, as in a worker process, or
+    """Replace TRL's fused log-prob kernel by ``Float64LogProbs``, Qwen2's RMSNorm forward by
+    ``rms_norm_in_input_dtype`` and its eager attention by ``eager_attention_in_input_dtype``, through ``set_attribute`` (``setattr`` for good, as in a worker process, or
     pytest's ``monkeypatch.setattr``, undone after the test)."""
     import trl.trainer.utils
     from transformers.models.qwen2 import modeling_qwen2
 
     set_attribute(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
     set_attribute(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_in_input_dtype)
+    set_attribute(modeling_qwen2, "eager_attention_forward", eager_attention_in_input_dtype)
