@@ -204,7 +204,7 @@ class DPPOConfig(GRPOConfig):
             Token budget of one packed row. `None`: a budget by attention implementation. What a longer sequence
             gets, and why no forward call is larger than TRL's whatever the budget: `docs/packing.md`, "The plan",
             items 2 and 4.
-        prefix_sharing (`bool` or `None`, *optional*, defaults to `None`):
+        prefix_sharing (`bool`, *optional*):
             Prefix sharing in the packed passes (`docs/packing.md`, "Prefix sharing"): the kept completions of a
             group forward their prompt once, exactly. `None`: on where the model's attention kernel and layers
             make it exact (sdpa or eager, full attention, no MoE router loss), else off with the reason logged once.

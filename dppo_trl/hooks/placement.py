@@ -208,7 +208,7 @@ class RowPlacement:
         packed = packed_inputs(input_ids, attention_mask, logits_to_keep, rows, self._tokenizer.pad_token_id)
         r, c, b, j = packed.pop("index")
         layout = packed.pop("layout")
-        if self._prefix_sharing:  # each completion sees its segment's prompt and its own tokens
+        if any(len(segment) > 1 for segment in segments):  # each completion sees its prompt and its own tokens
             packed["attention_mask"] = self._prefix_mask(layout, self.accelerator.unwrap_model(model).dtype)
         elif self._varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
             packed.update(varlen_kwargs(packed["position_ids"]))
