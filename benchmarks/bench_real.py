@@ -66,6 +66,8 @@ from harness import (  # noqa: E402
 METHODS = {
     "grpo": None,
     "dppo": dict(completion_keep_rate=0.5),
+    # DPPO without prefix sharing (issue 32): every kept row forwards its prompt, as before it.
+    "dppo+repeated": dict(completion_keep_rate=0.5, prefix_sharing=False),
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
     "dppo+calibrated": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="calibrated"),
     "packing": dict(completion_keep_rate=1.0),
@@ -268,6 +270,27 @@ def merged_runs(paths):
     return list(runs.values()), settings, elapsed
 
 
+SHARING_PHASES = ("logps", "loss", "training", "step")
+
+
+def prefix_sharing_figures(runs):
+    """DPPO (prefix sharing on, the default) against ``dppo+repeated`` (off), seed by seed: per phase of
+    ``SHARING_PHASES`` the median over seeds of (ratio, SE), each seed's ratios, and the mean share of token
+    positions sharing removed; None without both methods."""
+    by = {(r["method"], r["seed"]): r for r in runs}
+    seeds = sorted(s for m, s in by if m == "dppo" and ("dppo+repeated", s) in by)
+    if not seeds:
+        return None
+    per_seed = [phase_ratios(by["dppo", s], by["dppo+repeated", s]) for s in seeds]
+    saved = [x for s in seeds for x in by["dppo", s].get("prefix_tokens_saved") or []]
+    return {
+        "seeds": seeds,
+        "ratios": {name: median_phase_ratios(per_seed)[name] for name in SHARING_PHASES},
+        "per_seed": {name: [r[name][0] for r in per_seed] for name in SHARING_PHASES},
+        "prefix_tokens_saved": statistics.mean(saved) if saved else 0.0,
+    }
+
+
 def speed_figures(args, runs, rows):
     """Adds to each row its target figures (learning per step and time to 90% of GRPO's rise) and its time per
     step by phase against GRPO's (median over seeds); returns the audit's check where a ``dppo+audit`` run was
@@ -323,6 +346,7 @@ def report(args, runs, trainer_args, elapsed, runs_file):
     rows = summarize_at_budget(runs, args.methods, args.window)
     rise = real_figures(runs, rows, args.window, args.heldout, args.train_prompts // args.prompts_per_step)
     check, project = speed_figures(args, runs, rows)
+    sharing = prefix_sharing_figures(runs)
     z = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731  (no spread: no z)
     print(f"\nSmolLM2-135M-Instruct + LoRA, reasoning-gym {args.task}, {args.steps} steps x {args.prompts_per_step} "
           f"prompts over {args.train_prompts} (seeds {args.seeds})" + (", vLLM colocated" if args.vllm else ""))
@@ -337,6 +361,10 @@ def report(args, runs, trainer_args, elapsed, runs_file):
         for method in dict.fromkeys(p["method"] for p in project):
             print(f"{method:<13}" + "".join(f"  {p['generation_share']:.0%}: {p['time_ratio']:.2f} ({1 / p['time_ratio']:.2f}x)"
                                             for p in project if p["method"] == method))
+    if sharing is not None:
+        print("\nPrefix sharing: DPPO over DPPO with repeated prompts (median over seeds of each seed's ratio ± SE), "
+              f"token positions removed {sharing['prefix_tokens_saved']:.3f}:")
+        print("  " + ", ".join(f"{name} {pm(*sharing['ratios'][name])}" for name in SHARING_PHASES))
     if check is not None:
         print(f"audit check: the audit's step ratio {check['audit_step_time_ratio']:.3f} vs the paired runs' "
               f"{check['paired_step_time_ratio']:.3f} ({100 * check['relative_difference']:+.1f}%, "
@@ -359,6 +387,7 @@ def report(args, runs, trainer_args, elapsed, runs_file):
         "per_seed": {r["method"]: r["per_seed"] for r in rows},
         "runs_file": runs_file.name,
         "audit_check": check,
+        "prefix_sharing": sharing,
         # How prompts move between visits, per method (harness.targets.revisit_outcomes; records with groups only).
         "revisits": {row["method"]: revisit_outcomes([r for r in runs if r["method"] == row["method"]])
                      for row in rows},

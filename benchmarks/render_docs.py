@@ -563,6 +563,39 @@ def headline_speed_table(data: dict) -> str:
     return md_table(header, body)
 
 
+def prefix_table(data: dict) -> str:
+    """bench_prefix.json: one group's kept completions with the prompt once (shared) over the prompt in every row
+    (repeated), per prompt length, completion length and kept completions."""
+    header = ["prompt tokens", "completion tokens", "kept of the group", "token positions", "forward + backward time",
+              "peak memory", "max log-prob difference"]
+    body = [[str(r["prompt_length"]), str(r["completion_length"]), str(r["kept"]), f"{r['positions_ratio']:.2f}",
+             f"**{r['time_ratio']:.2f}**" if r["time_ratio"] > 1.0 else f"{r['time_ratio']:.2f}",
+             f"{r['memory_ratio']:.2f}", f"{r['max_logp_difference']:.0e}"] for r in data["results"]]
+    return md_table(header, body)
+
+
+PREFIX_ENGINES = {"bench_real_prefix": "transformers", "bench_real_prefix_vllm": "vLLM (colocated)"}
+
+
+def real_prefix_table(results: dict) -> str:
+    """bench_real_prefix*.json (paired 8-step runs): per engine, the share of token positions prefix sharing removed,
+    DPPO's phases with sharing over DPPO's without (median over seeds of each seed's ratio ± SE over its steps) and
+    each one's step over GRPO's."""
+    header = ["generation", "seeds", "token positions removed", "old/ref log-prob passes", "loss forward + backward",
+              "training phase", "whole step", "step / GRPO's: shared", "repeated"]
+    body = []
+    for name, engine in PREFIX_ENGINES.items():
+        if name not in results:
+            continue
+        data = results[name]
+        sharing, by = data["prefix_sharing"], {r["method"]: r for r in data["results"]}
+        ratios = sharing["ratios"]
+        body.append([engine, str(len(sharing["seeds"])), f"{sharing['prefix_tokens_saved']:.2f}",
+                     *(pm(*ratios[p]) for p in ("logps", "loss", "training", "step")),
+                     pm(*by["dppo"]["phase_ratios"]["step"]), pm(*by["dppo+repeated"]["phase_ratios"]["step"])])
+    return md_table(header, body)
+
+
 def demo_table(data: dict) -> str:
     """demo.json (``make demo``'s record, ``dppo_trl.side_by_side``): its printed table as markdown."""
     header = ["method", "wall time", "vs GRPO", "reward: start -> end", "held-out: start -> end", "kept"]
@@ -635,6 +668,8 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_real_prompt_pruning": ("bench_real_learning", prompt_pruning_table),
     "bench_real_revisits": ("bench_real_learning", revisits_table),
     "bench_real_phases": (ALL_RESULTS, phases_table),
+    "bench_prefix": ("bench_prefix", prefix_table),
+    "bench_real_prefix": (ALL_RESULTS, real_prefix_table),
     "bench_audit": ("bench_audit", audit_table),
     "bench_audit_countdown": ("bench_audit_countdown", audit_table),
     "bench_audit_alarm": ("bench_audit_alarm", audit_alarm_table),

@@ -74,10 +74,11 @@ def test_packed_update_equals_padded_under_flash_semantics(tmp_path, tiny_model_
 
 
 def test_flash_semantics_trains_like_sdpa(tmp_path, tiny_model_dir, train_dataset):
-    """The same run (packing, pruning, GA < spg) under sdpa and under the flash stand-in: the same losses."""
+    """The same run (packing, pruning, GA < spg) under sdpa and under the flash stand-in: the same losses. Prefix
+    sharing off under both (the flash stand-in packs without it, and with GA < spg its plan places rows apart)."""
     common = dict(
         max_steps=2, steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4,
-        completion_keep_rate=0.75,
+        completion_keep_rate=0.75, prefix_sharing=False,
     )
     runs = [
         train(DPPOTrainer, tmp_path / attn, tiny_model_dir, train_dataset,

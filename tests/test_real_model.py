@@ -129,6 +129,44 @@ def test_packed_logprobs_equal_padded_at_float32_with_an_eos_ended_completion(tm
     assert torch.all(packed[~completion_mask] == 0)
 
 
+def test_a_shared_chat_prompt_gives_the_repeated_log_probs_and_gradients_at_float32(tmp_path, smollm2_dir, chain_sum):
+    """Prefix sharing on the real model: three completions of one chat prompt and one of another, forwarded with the
+    first prompt once (its 60-odd tokens), against each row with its prompt (``prefix_sharing=False``)."""
+    trainer = DPPOTrainer(smollm2_dir, spread_reward, args=config(DPPOConfig, tmp_path), train_dataset=chain_sum,
+                          peft_config=lora())
+    assert trainer._prefix_sharing  # on by default on this model (sdpa)
+    tokenizer, eos = trainer.processing_class, trainer.processing_class.eos_token_id
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+             for p in chain_sum["prompt"][:2]]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    answers = ["15 - 43 = -28", "The answer is 61, because", "7", "12 + 5 = 17"]
+    rows = [(prompts[0], a) for a in answers[:3]] + [(prompts[1], answers[3])]
+    completions = [tokenizer(a, add_special_tokens=False)["input_ids"] + [eos] for _, a in rows]
+    p_width, c_width = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.tensor([[eos] * (p_width - len(p)) + p + c + [eos] * (c_width - len(c))
+                        for (p, _), c in zip(rows, completions)])
+    mask = torch.tensor([[0] * (p_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (c_width - len(c))
+                         for (p, _), c in zip(rows, completions)])
+    completion_mask = mask[:, p_width:].bool()
+    weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(0)) * completion_mask
+    results = {}
+    for sharing in (True, False):
+        trainer._prefix_sharing = sharing
+        trainer.model.zero_grad()
+        logps, *_ = trainer._packed_logps_and_entropies(trainer.model, ids, mask, c_width, compute_entropy=False)
+        (logps * weights).sum().backward()
+        grad = torch.cat([p.grad.flatten() for n, p in trainer.model.named_parameters() if p.grad is not None])
+        results[sharing] = logps.detach(), grad
+    (shared, shared_grad), (repeated, repeated_grad) = results[True], results[False]
+    assert (shared[completion_mask] - repeated[completion_mask]).abs().max() < 1e-4
+    assert repeated_grad.norm() > 0
+    assert float((shared_grad - repeated_grad).norm() / repeated_grad.norm()) < 1e-4
+
+
 @pytest.mark.slow
 def test_keep_half_trains_lora_only(tmp_path, smollm2_dir, chain_sum):
     args = config(DPPOConfig, tmp_path, completion_keep_rate=0.5, max_steps=2, optim="adamw_torch",

@@ -78,8 +78,13 @@ def test_packed_path_with_every_row_kept_matches_grpo_when_one_step_takes_the_ge
     )
 
 
-@pytest.mark.parametrize("use_peft,packing", [(False, False), (True, False), (False, True), (True, True)])
-def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft, packing):
+@pytest.mark.parametrize(
+    "use_peft,packing,sharing",
+    [(False, False, None), (True, False, None), (False, True, False), (True, True, False), (True, True, None)],
+)
+def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft, packing, sharing):
+    """Only kept rows are forwarded, each once per pass; with packing, their real tokens once per pass (with prefix
+    sharing, fewer: a group's prompt once per call)."""
     kwargs = dict(
         max_steps=2,
         beta=0.05,
@@ -93,7 +98,8 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
     totals = {}
     for name, cls, cfg, extra in [
         ("grpo", GRPOTrainer, GRPOConfig, {}),
-        ("dppo", RecordingTrainer, DPPOConfig, {"completion_keep_rate": 0.5, "packing": packing}),
+        ("dppo", RecordingTrainer, DPPOConfig,
+         {"completion_keep_rate": 0.5, "packing": packing, "prefix_sharing": sharing}),
     ]:
         args = cpu_config(tmp_path / name, cls=cfg, **kwargs, **extra)
         trainer = cls(tiny_model_dir, random_reward, args=args, train_dataset=train_dataset, peft_config=peft_config)
@@ -110,7 +116,10 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
         real = sum(
             int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1))[r["dppo_keep"]].sum()) for r in dppo.records
         )
-        assert totals["dppo"][0]["tokens"] == real * 4
+        if sharing is False:
+            assert totals["dppo"][0]["tokens"] == real * 4
+        else:
+            assert totals["dppo"][1]._prefix_sharing and totals["dppo"][0]["tokens"] < real * 4
 
 
 def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_model_dir, train_dataset):

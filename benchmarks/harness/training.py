@@ -246,6 +246,9 @@ def run_one(name, settings, seed, setup):
         "steps": timer.steps,
         "generations": trainer.bench_generations,
         "evals": timer.evals,
+        # The share of the kept rows' token positions prefix sharing removed, per logged step (DPPO only).
+        "prefix_tokens_saved": [h["dppo/prefix_tokens_saved"] for h in trainer.state.log_history
+                                if "dppo/prefix_tokens_saved" in h] or None,
         # The audit's measured time ratios (DPPOConfig.audit_every > 0), one per audited batch.
         "audit_times": {k: audit_log[k] for k in AUDIT_TIMES} if (audit_log := getattr(trainer, "_audit_log", None))
         else None,

@@ -126,8 +126,10 @@ class OptimizerGradients(TrainerCallback):
 
 def count_logprob_rows(trainer):
     """Sequences and real (non-pad) tokens through the model in the log-prob passes (old, ref, loss), counted as
-    training runs: TRL's padded calls carry `labels`; packed calls carry `shift_labels`, with `position_ids`
-    restarting at 0 for each sequence and rows ending in pad-token fillers."""
+    training runs: TRL's padded calls carry `labels`; packed calls carry `shift_labels`, a sequence starting
+    wherever `position_ids` do not go on from the token before (at 0, or with prefix sharing where a completion's
+    branch goes back to the end of its shared prompt), rows ending in pad-token fillers. A shared prompt's tokens
+    count once."""
     counter = {"rows": 0, "tokens": 0, "no_grad_rows": 0}  # no_grad_rows: those of the passes without autograd
     pad = trainer.processing_class.pad_token_id
 
@@ -136,7 +138,10 @@ def count_logprob_rows(trainer):
         if "labels" in kwargs:
             rows = ids.size(0)
         elif "shift_labels" in kwargs:
-            rows = int(((kwargs["position_ids"] == 0) & (ids != pad)).sum())
+            positions = kwargs["position_ids"]
+            starts = torch.ones_like(positions, dtype=torch.bool)
+            starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+            rows = int((starts & (ids != pad)).sum())
         else:
             return
         counter["rows"] += rows
