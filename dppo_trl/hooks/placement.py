@@ -79,8 +79,8 @@ class RowPlacement:
     @profiling_decorator
     @torch.no_grad()
     def _balance_ranks(self, output: dict, batch: GenerationBatch) -> dict:
-        """Move kept rows between ranks (``balance_ranks`` on the gathered kept lengths, the same plan on every
-        rank) so each rank's token load is within ``RANK_BALANCE_TOLERANCE`` of the mean where the rows allow.
+        """Move kept rows between ranks (``_rank_plan``: ``balance_ranks`` on the gathered kept lengths, or with prefix
+        sharing a group's kept rows together, the same plan on every rank) so each rank's token load is within ``RANK_BALANCE_TOLERANCE`` of the mean where the rows allow.
         A row that leaves stays in its rank's batch, no longer kept; received rows are appended, kept. Every
         per-row tensor travels (one fixed-size gather per key, padded to the widest rank). Each row's loss term
         is normalized by global constants or by its own TRL micro-batch's count, which travels with it, so where a
@@ -88,11 +88,11 @@ class RowPlacement:
         kept lengths and widths in ``batch``."""
         tolerance = math.inf if self._microbatches_follow_trl_split else self.RANK_BALANCE_TOLERANCE
         kept_lengths = batch.kept_lengths_per_rank
-        plan = balance_ranks(kept_lengths, tolerance)
+        plan, loads_before, loads_after = self._rank_plan(batch, tolerance)
         length = lambda row: kept_lengths[row[0]][row[1]]  # noqa: E731
         metrics = self._metrics["train"]
-        metrics["dppo/rank_imbalance_before"].append(rank_imbalance([sum(r) for r in kept_lengths]))
-        metrics["dppo/rank_imbalance"].append(rank_imbalance([sum(map(length, rows)) for rows in plan]))
+        metrics["dppo/rank_imbalance_before"].append(rank_imbalance(loads_before))
+        metrics["dppo/rank_imbalance"].append(rank_imbalance(loads_after))
         slots, leaving, arriving = exchange_plan(plan, self.accelerator.process_index)
         if slots == 0:
             return output
@@ -114,6 +114,23 @@ class RowPlacement:
         batch.kept_lengths_per_rank = [[length(row) for row in rows] for rows in plan]
         batch.kept_rows_per_rank = [[batch.kept_rows_per_rank[r][i] for r, i in rows] for rows in plan]
         return out
+
+    def _rank_plan(self, batch: GenerationBatch, tolerance: float):
+        """``(plan, loads before, loads after)``: ``balance_ranks`` over every rank's kept rows, or with prefix sharing
+        over its units (``_rank_units``: a group's rows move together, a rank's load counts a shared prompt once),
+        expanded to rows: a rank's own rows in their order, then the rows it receives."""
+        if not (self.args.packing and self._prefix_sharing):
+            lengths = batch.kept_lengths_per_rank
+            plan = balance_ranks(lengths, tolerance)
+            return plan, [sum(r) for r in lengths], [sum(lengths[r][i] for r, i in rows) for rows in plan]
+        units = [self._rank_units(rows, batch) for rows in batch.kept_rows_per_rank]
+        unit_plan = balance_ranks([u[1] for u in units], tolerance)
+        plan = []
+        for dest, held in enumerate(unit_plan):
+            rows = [(src, i) for src, u in held for i in units[src][0][u]]
+            plan.append(sorted(r for r in rows if r[0] == dest) + [r for r in rows if r[0] != dest])
+        loads_after = [sum(units[src][1][u] for src, u in held) for held in unit_plan]
+        return plan, [sum(u[1]) for u in units], loads_after
 
     @profiling_decorator
     @torch.no_grad()
