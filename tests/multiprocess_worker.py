@@ -4,6 +4,7 @@ every forward call of its models, and its final parameters (whole, also when sha
 
     multiprocess_worker.py MODEL_DIR OUT_DIR SAMPLING RATE MAX_STEPS [TOLERANCE] [--prompt-keep-rate R --stop S]
                            [--steps-per-generation N] [--fsdp] [--perturb-rank R] [--beta B]
+                           [--no-prefix-sharing]
 
 TOLERANCE is DPPOTrainer.RANK_BALANCE_TOLERANCE ('inf': never move rows). With --stop S the run saves a
 checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS. With --perturb-rank R, rank
@@ -132,6 +133,7 @@ def main(argv):
     parser.add_argument("--perturb-rank", type=int, default=None)
     parser.add_argument("--beta", type=float, default=0.05)
     parser.add_argument("--audit-sketch", type=int, default=None)
+    parser.add_argument("--no-prefix-sharing", action="store_true")
     a = parser.parse_args(argv)
     Worker.perturb_rank = a.perturb_rank
     Worker.RANK_BALANCE_TOLERANCE = a.tolerance
@@ -157,6 +159,7 @@ def main(argv):
         completion_keep_rate=float(a.rate),
         prune_sampling=a.sampling,
         prompt_keep_rate=a.prompt_keep_rate,
+        prefix_sharing=False if a.no_prefix_sharing else None,
         **sharding,
         **({} if a.audit_sketch is None else
            dict(audit_every=1, audit_sketch_dim=a.audit_sketch, audit_exact_params=0, max_grad_norm=0.0)),

@@ -90,16 +90,23 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sam
 
 
 @pytest.mark.slow
-def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("sharing", [False, True])
+def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_dir, sharing):
     """One generation batch (2 optimizer steps), balanced vs never balanced: the same masks and, up to float
-    summation order, the same parameters; the balanced run moved rows and ended within 10% of the mean load
-    wherever the unbalanced one was outside it."""
-    balanced, params = torchrun(tmp_path / "balanced", tiny_model_dir, "systematic", 0.5, 2)
-    unbalanced, reference = torchrun(tmp_path / "unbalanced", tiny_model_dir, "systematic", 0.5, 2, "inf")
+    summation order, the same parameters. Without prefix sharing the balanced run moved rows and ended within 10%
+    of the mean load wherever the unbalanced one was outside it; with it, groups move whole and the load (shared
+    tokens) never grows."""
+    flags = () if sharing else ("--no-prefix-sharing",)
+    balanced, params = torchrun(tmp_path / "balanced", tiny_model_dir, "systematic", 0.5, 2, *flags)
+    unbalanced, reference = torchrun(tmp_path / "unbalanced", tiny_model_dir, "systematic", 0.5, 2, "inf", *flags)
     assert balanced[0]["masks"] == unbalanced[0]["masks"]
     before, after = balanced[0]["rank_imbalance_before"], balanced[0]["rank_imbalance"]
-    assert before == unbalanced[0]["rank_imbalance"] and max(before) > 1.1  # rows had to move
-    assert all(a <= 1.1 for a in after) and balanced[0]["local_kept"] != unbalanced[0]["local_kept"]
+    assert before == unbalanced[0]["rank_imbalance"]
+    if sharing:
+        assert all(a <= b for a, b in zip(after, before))
+    else:
+        assert max(before) > 1.1  # rows had to move
+        assert all(a <= 1.1 for a in after) and balanced[0]["local_kept"] != unbalanced[0]["local_kept"]
     for name, p in reference.items():
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6)
 

@@ -228,3 +228,46 @@ def test_the_tokens_saved_are_logged_as_counted(tmp_path, tiny_model_dir, train_
         expected.append(1 - shared / sum(lengths))
     assert len(logged) == len(expected) and max(expected) > 0.2
     assert logged == pytest.approx(expected, abs=1e-6)
+
+
+# ------------------------------------------------------------------ the planners over units
+def random_units(generator, width, per_call, groups=6, group_size=4):
+    """One rank's units: a few groups' kept rows (lengths up to ``width``, a shared prompt), cut at ``per_call``."""
+    units, lengths, rows = [], [], []
+    for _ in range(int(torch.randint(0, groups + 1, (), generator=generator))):
+        prompt = int(torch.randint(1, width, (), generator=generator))
+        kept = int(torch.randint(1, group_size + 1, (), generator=generator))
+        row_lengths = torch.randint(prompt + 1, width + 1, (kept,), generator=generator).tolist()
+        for piece in range(0, kept, per_call):
+            members = row_lengths[piece : piece + per_call]
+            lengths.append(segment_length(members, prompt))
+            rows.append(len(members))
+    return lengths, rows
+
+
+def test_unit_plans_stay_within_trls_call_and_agree_across_ranks():
+    """Deferred passes over units (one unit per call at most): every call allocates at most TRL's largest
+    (``rows_per_call x width``) and every rank makes as many calls. Micro-batches over units: every unit placed
+    once, and each rank's row counts per micro-batch, computed from the gathered units alone, are what the rank
+    itself gets."""
+    from dppo_trl.core.packing import microbatch_plan, packed_allocation, plan_calls_per_rank
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        world, per_call, spg = (int(torch.randint(1, 4, (), generator=generator)), 2, 3)
+        widths = torch.randint(4, 40, (world,), generator=generator).tolist()
+        ranks = [random_units(generator, w, per_call) for w in widths]
+        plans = plan_calls_per_rank([r[0] for r in ranks], widths, per_call, lambda w: w, items_per_call=1,
+                                    fit_longest=True)
+        assert len({len(p) for p in plans}) == 1
+        for (lengths, _), width, plan in zip(ranks, widths, plans):
+            assert sorted(i for call in plan for i in call) == list(range(len(lengths)))
+            for call in plan:
+                allocated = packed_allocation([lengths[i] for i in call], width, per_call * width, True)
+                assert allocated <= per_call * width
+        for me, (lengths, rows) in enumerate(ranks):
+            order = torch.Generator().manual_seed(1)
+            bins, sizes = microbatch_plan(lengths, [r[0] for r in ranks], spg, per_call, True, order,
+                                          own_unit_rows=rows, unit_rows_per_rank=[r[1] for r in ranks])
+            assert sorted(u for b in bins for u in b) == list(range(len(lengths)))
+            assert len(sizes) == spg and all(sum(rows[u] for u in b) <= s for b, s in zip(bins, sizes))
