@@ -4,7 +4,8 @@ rows between ranks for an even token load, the deferred log-prob passes on the k
 ``dppo_trl.core.batch``.
 
 Reads of the host trainer: ``args``, ``accelerator``, ``model``, ``ref_model``, ``beta``, ``top_entropy_quantile``,
-``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``, ``_prefix_sharing``;
+``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``, ``_prefix_sharing``,
+``_shares_prefixes``;
 ``_get_per_token_logps_and_entropies`` (TRL's hook, DPPO's override), ``_seed_of`` (the keep decision),
 ``_recompute_vllm_importance_sampling`` (the re-estimated metrics), ``_rank_units``, ``_call_segments`` and
 ``_prefix_mask`` (``hooks.prefix_sharing``)."""
@@ -79,8 +80,9 @@ class RowPlacement:
     @profiling_decorator
     @torch.no_grad()
     def _balance_ranks(self, output: dict, batch: GenerationBatch) -> dict:
-        """Move kept rows between ranks (``_rank_plan``: ``balance_ranks`` on the gathered kept lengths, or with prefix
-        sharing a group's kept rows together, the same plan on every rank) so each rank's token load is within ``RANK_BALANCE_TOLERANCE`` of the mean where the rows allow.
+        """Move kept rows between ranks (``_rank_plan``: ``balance_ranks`` on the gathered kept lengths, with prefix
+        sharing a group's kept rows together; the same plan on every rank) so each rank's token load is within
+        ``RANK_BALANCE_TOLERANCE`` of the mean where the rows allow.
         A row that leaves stays in its rank's batch, no longer kept; received rows are appended, kept. Every
         per-row tensor travels (one fixed-size gather per key, padded to the widest rank). Each row's loss term
         is normalized by global constants or by its own TRL micro-batch's count, which travels with it, so where a
@@ -119,7 +121,7 @@ class RowPlacement:
         """``(plan, loads before, loads after)``: ``balance_ranks`` over every rank's kept rows, or with prefix sharing
         over its units (``_rank_units``: a group's rows move together, a rank's load counts a shared prompt once),
         expanded to rows: a rank's own rows in their order, then the rows it receives."""
-        if not (self.args.packing and self._prefix_sharing):
+        if not self._shares_prefixes:
             lengths = batch.kept_lengths_per_rank
             plan = balance_ranks(lengths, tolerance)
             return plan, [sum(r) for r in lengths], [sum(lengths[r][i] for r, i in rows) for rows in plan]
@@ -185,7 +187,7 @@ class RowPlacement:
         units, ``output_rows`` being the kept rows' indices in the generation batch)."""
         per_call = self.args.per_device_train_batch_size
         kept_lengths = batch.kept_lengths_per_rank
-        if self.args.packing and self._prefix_sharing:  # one group's rows in one call, at most per_call of them
+        if self._shares_prefixes:  # one group's rows in one call, at most per_call of them
             units_per_rank = [self._rank_units(kept, batch) for kept in batch.kept_rows_per_rank]
             plans = plan_calls_per_rank([u[1] for u in units_per_rank], batch.widths_per_rank, per_call,
                                         self._packed_budget, items_per_call=1, fit_longest=True)
@@ -220,7 +222,8 @@ class RowPlacement:
         rows, and unpacked into TRL's padded ``(B, T)`` layout."""
         segments, lengths = self._call_segments(input_ids, attention_mask, logits_to_keep)
         call_budget = self.args.per_device_train_batch_size * input_ids.size(1)
-        rows = pack_call(lengths, self._packed_budget(input_ids.size(1)), call_budget, self._prefix_sharing)
+        budget = self._packed_budget(input_ids.size(1))
+        rows = pack_call(lengths, budget, call_budget, fit_longest=self._prefix_sharing)
         rows = [[segments[i] for i in row] for row in rows]
         packed = packed_inputs(input_ids, attention_mask, logits_to_keep, rows, self._tokenizer.pad_token_id)
         r, c, b, j = packed.pop("index")
@@ -256,7 +259,7 @@ class RowPlacement:
         lengths = (rows["prompt_mask"].sum(1) + rows["completion_mask"].sum(1)).tolist()
         if self._microbatches_follow_trl_split:
             bins, sizes = self._trl_split_bins(trl_microbatch, kept)
-        elif self.args.packing and self._prefix_sharing:
+        elif self._shares_prefixes:
             bins, sizes = self._unit_bins(kept.tolist(), [row_index[i] for i in kept.tolist()], batch)
         else:
             generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan"))
@@ -317,11 +320,11 @@ class RowPlacement:
         for members, size in zip(bins, sizes):
             fillers = [1] * (size - len(members))  # a filler row forwards one token
             member_lengths = [lengths[i] for i in members]
-            if self.args.packing and self._prefix_sharing:
+            if self._shares_prefixes:
                 member_lengths = self._rank_units([row_index[i] for i in members], batch)[1]
             tokens_per_mb.append(float(sum(member_lengths)))
             if self.args.packing:
-                allocated += packed_allocation(member_lengths + fillers, budget, call_budget, self._prefix_sharing)
+                allocated += packed_allocation(member_lengths + fillers, budget, call_budget, self._shares_prefixes)
             else:
                 allocated += size * width
         stats = torch.tensor([sum(tokens_per_mb), allocated, max(tokens_per_mb), sum(tokens_per_mb) / len(bins),

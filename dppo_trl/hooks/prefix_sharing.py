@@ -46,6 +46,11 @@ class PrefixSharing:
         logger.warning("Prefix sharing is off: %s.", reason)
         return False
 
+    @property
+    def _shares_prefixes(self) -> bool:
+        """Whether the planners place units (prefix sharing on and the passes packed)."""
+        return self.args.packing and self._prefix_sharing
+
     def _rank_units(self, rows: list[int], batch: GenerationBatch) -> tuple[list[list[int]], list[int], list[int]]:
         """``(units, lengths, row_counts)`` of one rank's kept ``rows`` (indices into the generation batch): each
         unit the positions (into ``rows``) of one group's rows, at most ``per_device_train_batch_size`` of them,
