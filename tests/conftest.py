@@ -20,6 +20,11 @@ def tiny_moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory):
+    return models.save_tiny_gpt2(tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="session")
 def train_dataset():
     return models.addition_prompts(64)
 

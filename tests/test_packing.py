@@ -343,29 +343,6 @@ def test_padded_plan_is_trls_split_when_the_rows_divide_evenly():
     assert bins == [[0, 1], [2, 3], [4, 5], [6, 7]] and sizes == [2, 2, 2, 2]
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt2_dir(tmp_path_factory):
-    """A tiny GPT-2 (learned absolute positions) with the character tokenizer."""
-    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
-
-    from dppo_trl.tasks.toy import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, **ids)
-    model = GPT2LMHeadModel(config)
-    with torch.no_grad():  # positions that matter: the random init's position embeddings are tiny (std 0.01)
-        model.transformer.wpe.weight.normal_(0, 1.0)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    directory = tmp_path_factory.mktemp("tiny-gpt2")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
 def test_packed_positions_are_generations_on_a_model_with_absolute_positions(tmp_path, tiny_gpt2_dir, train_dataset):
     """GPT-2 learns absolute positions. Generation numbers each sequence's tokens from 0 at its first real token
     (``position_ids`` from the attention mask), and so does packing; TRL's padded path passes no ``position_ids``,

@@ -43,9 +43,16 @@ def grouped(batch, prompts_of_rows=PROMPTS_OF_ROWS, eos_at_end=False, pad=None):
 
 
 def logps_shared_and_repeated(trainer, batch):
+    """``_packed_logps_and_entropies`` with prefix sharing, then without; the shared call's segments are checked to
+    be the rows of each prompt (else the comparison would be of repeated rows with themselves)."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].size(1)
+    trainer._prefix_sharing = True
+    segments, _ = trainer._call_segments(ids, mask, width)
+    prompts = batch["prompt_ids"].masked_fill(batch["prompt_mask"] == 0, -1).tolist()
+    assert all(len({tuple(prompts[b]) for b in s}) == 1 for s in segments)
+    assert len(segments) == len({tuple(p) for p in prompts}) < len(prompts)
     results = []
     for sharing in (True, False):
         trainer._prefix_sharing = sharing
@@ -145,6 +152,17 @@ def test_shared_logprobs_equal_repeated_in_float64(tmp_path, tiny_model_dir, tra
     assert_float64_equal(logps[m], repeated[m])
     assert_float64_equal(entropies[m], repeated_entropies[m])
     assert torch.all(logps[~m] == 0)
+
+
+def test_a_model_with_learned_absolute_positions_shares_exactly(tmp_path, tiny_gpt2_dir, train_dataset):
+    """GPT-2: every branch keeps its tokens' positions (generation's), so shared == repeated here too."""
+    trainer = make_trainer(tmp_path, tiny_gpt2_dir, train_dataset, "dapo", 0.0, 1)
+    assert trainer._prefix_sharing
+    batch = grouped(synthetic_batch(trainer))
+    with torch.no_grad():
+        (logps, _, _), (repeated, _, _) = logps_shared_and_repeated(trainer, batch)
+    m = batch["completion_mask"].bool()
+    assert (logps[m] - repeated[m]).abs().max() < 1e-5  # float32
 
 
 KEEPS = {
