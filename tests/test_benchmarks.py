@@ -221,13 +221,17 @@ import bench_real  # noqa: E402
 @pytest.mark.real_model
 def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_path, capsys):
     out = tmp_path / "real.json"
-    argv = ["--seeds", "0", "--steps", "3", "--methods", "grpo", "dppo+prompt", "--warmup", "0", "--heldout", "4",
+    argv = ["--seeds", "0", "--steps", "3", "--methods", "grpo", "dppo+prompt", "dppo", "dppo+repeated", "--warmup",
+            "0", "--heldout", "4",
             "--train-prompts", "2", "--prompts-per-step", "1", "--max-completion-length", "4", "--eval-every", "2",
             "--window", "2", "--json", str(out)]
     rows = bench_real.main(argv)
     saved = json.loads(out.read_text())
-    assert [r["method"] for r in saved["results"]] == ["grpo", "dppo+prompt"]
-    grpo, pruned = saved["results"]
+    assert [r["method"] for r in saved["results"]] == ["grpo", "dppo+prompt", "dppo", "dppo+repeated"]
+    grpo, pruned = saved["results"][:2]
+    sharing = saved["prefix_sharing"]  # DPPO with prefix sharing (the default) over DPPO without it, paired
+    assert sharing["seeds"] == [0] and 0.3 < sharing["prefix_tokens_saved"] < 1
+    assert all(sharing["ratios"][phase][0] > 0 for phase in ("logps", "loss", "training", "step"))
     assert grpo["time_to_target_ratio"] == 1.0 and grpo["reached_target"] == "1/1"
     assert grpo["final_reward_diff_mean"] == 0.0 and grpo["total_ratio_mean"] == 1.0
     assert pruned["kept_fraction"] <= 1.0 and "time_to_target_ratio" in pruned
@@ -240,11 +244,25 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
             [(prompt, reward, weight, flat)] = generation["groups"]
             assert len(prompt) == 8 and reward == pytest.approx(generation["reward"], abs=1e-4)
             assert flat == (generation["zero_variance_groups"] == 1.0)
-            assert (weight is None) == (method == "grpo")
+            assert (weight is None) == (method in ("grpo", "dppo", "dppo+repeated"))
     again = bench_real.main(
         [*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")]
     )
     assert [r["time_to_target_ratio"] for r in again] == [r["time_to_target_ratio"] for r in rows]
+
+
+import bench_prefix  # noqa: E402
+
+
+def test_bench_prefix_measures_shared_against_repeated_rows(tmp_path, capsys):
+    out = tmp_path / "prefix.json"
+    bench_prefix.main(["--prompt-lengths", "24", "--completion-lengths", "4", "--kept", "1", "3", "--repeats", "1",
+                       "--threads", "1", "--json", str(out)])
+    one, three = json.loads(out.read_text())["results"]
+    assert one["positions_ratio"] == 1.0 and one["max_logp_difference"] == 0.0  # one kept row: nothing shared
+    assert three["positions_ratio"] == pytest.approx((23 + 3 * 5) / (3 * 28))  # 23 once, 3 branches of 1 + 4
+    assert three["max_logp_difference"] < 1e-4 and three["shared_peak_mb"] > 0
+    assert "peak memory" in capsys.readouterr().out
 
 
 import bench_audit  # noqa: E402

@@ -128,7 +128,9 @@ def test_two_ranks_resume_with_prompt_pruning_as_if_never_stopped(tmp_path, tiny
 # steps_per_generation 4 > gradient_accumulation_steps 2: a generation batch of 32 rows per rank, about 16 kept
 # at rate 0.5, twice per_device_train_batch_size (8), so each deferred pass takes several forward calls. 8 steps:
 # two generation batches (each trained num_iterations=2 times).
-SPG4 = ("--steps-per-generation", 4)
+# Rows repeated (no prefix sharing): with it, whole groups move between ranks, and on this seed both ranks then
+# keep as many rows, which would leave the check below nothing to catch. The other two-rank runs share prefixes.
+SPG4 = ("--steps-per-generation", 4, "--no-prefix-sharing")
 SPG4_RUN = ("systematic", 0.5, 8, *SPG4)
 
 
@@ -154,7 +156,7 @@ def test_ranks_keeping_different_rows_make_the_same_forward_calls(ddp_spg4):
 def test_fsdp2_rank_keeping_nothing_finishes(tmp_path, tiny_model_dir):
     """FSDP2 gathers parameters in every forward: with one row kept of 64 one rank has nothing to forward, and
     it makes its share of the calls with fillers (a missing call would hang the other rank's all-gather)."""
-    ranks, _ = torchrun(tmp_path, tiny_model_dir, "topk", 0.01, 4, *SPG4, "--fsdp", timeout=120)
+    ranks, _ = torchrun(tmp_path, tiny_model_dir, "topk", 0.01, 4, "--steps-per-generation", 4, "--fsdp", timeout=120)
     assert all(r["wrapped"].startswith("FSDP") for r in ranks)
     assert [sorted(kept) for kept in zip(ranks[0]["local_kept"], ranks[1]["local_kept"])] == [[0, 1]]
 
