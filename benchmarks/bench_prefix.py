@@ -5,8 +5,9 @@ completions per group, on a small model with SmolLM2-135M's layer shapes (2 laye
 Both modes run DPPO's own layout (``core.packing.pack_call`` / ``packed_inputs``, the sdpa row budget: the padded
 width) on the same tokens; the shared mode's 4-D mask is ``core.prefix.prefix_attention_mask``. Per cell: the
 median time of a forward and backward over ``--repeats`` runs, the peak memory of the call (CPU: the profiler's
-memory timeline; CUDA: ``max_memory_allocated``), the token positions forwarded, and the largest difference of the
-completion log-probs between the modes (exactness, float32 here).
+memory timeline; CUDA: ``max_memory_allocated``), the token positions forwarded, the largest difference of the
+completion log-probs between the modes (exactness, float32 here), and whether DPPOTrainer shares there by default
+(``core.prefix.sharing_pays`` at the model's pair cost).
 
     python benchmarks/bench_prefix.py                       # CPU, about 10 minutes at 2 threads
 """
@@ -29,7 +30,8 @@ PAD = 0
 COLUMNS = [("prompt", 7, "prompt_length:d"), ("completion", 11, "completion_length:d"), ("kept", 5, "kept:d"),
            ("positions\nshared/rep.", 13, "positions_ratio:.3f"), ("time\nshared/rep.", 12, "time_ratio:.3f"),
            ("peak memory\nshared/rep.", 13, "memory_ratio:.3f"), ("max |logp|\ndifference", 13,
-                                                                   "max_logp_difference:.1e")]
+                                                                   "max_logp_difference:.1e"),
+           ("shared by\ndefault", 10, lambda r: "yes" if r["shared_by_default"] else "no")]
 
 
 def group_batch(prompt_length, completion_length, kept, vocab, generator):
@@ -128,6 +130,9 @@ def main(argv=None):
     kind, fields = CONFIGS["smollm2-135m"]
     CONFIGS["smollm2-2layers"] = (kind, {**fields, "num_hidden_layers": 2, "vocab_size": 2048})
     model = build_model("smollm2-2layers", "sdpa", torch.float32, device, seed=0)
+    from dppo_trl.core.prefix import attention_pair_cost, sharing_pays
+
+    pair_cost = attention_pair_cost(model.config)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for prompt_length in args.prompt_lengths:
@@ -148,11 +153,14 @@ def main(argv=None):
                     "shared_peak_mb": shared["peak_bytes"] / 2**20,
                     "repeated_peak_mb": repeated["peak_bytes"] / 2**20,
                     "max_logp_difference": float((shared["logps"] - repeated["logps"]).abs().max()),
+                    "shared_by_default": sharing_pays([prompt_length + completion_length] * kept, prompt_length,
+                                                      pair_cost),
                 })
                 print(text_table(rows[-1:], COLUMNS), flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "json"}
     write_json(args.json, {"settings": {**settings, "model": "smollm2-135m shapes, 2 layers, vocab 2048, LoRA r16",
-                                        "attention": "sdpa", "device": str(device)}, "results": rows})
+                                        "attention": "sdpa", "device": str(device), "pair_cost": pair_cost},
+                                        "results": rows})
     print(text_table(rows, COLUMNS))
 
 

@@ -567,10 +567,11 @@ def prefix_table(data: dict) -> str:
     """bench_prefix.json: one group's kept completions with the prompt once (shared) over the prompt in every row
     (repeated), per prompt length, completion length and kept completions."""
     header = ["prompt tokens", "completion tokens", "kept of the group", "token positions", "forward + backward time",
-              "peak memory", "max log-prob difference"]
+              "peak memory", "max log-prob difference", "shared by default"]
     body = [[str(r["prompt_length"]), str(r["completion_length"]), str(r["kept"]), f"{r['positions_ratio']:.2f}",
              f"**{r['time_ratio']:.2f}**" if r["time_ratio"] > 1.0 else f"{r['time_ratio']:.2f}",
-             f"{r['memory_ratio']:.2f}", f"{r['max_logp_difference']:.0e}"] for r in data["results"]]
+             f"{r['memory_ratio']:.2f}", f"{r['max_logp_difference']:.0e}",
+             "-" if r["kept"] == 1 else "yes" if r["shared_by_default"] else "no"] for r in data["results"]]
     return md_table(header, body)
 
 

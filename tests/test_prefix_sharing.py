@@ -18,11 +18,13 @@ from support.training import train
 
 from dppo_trl.core.packing import pack_call, packed_inputs
 from dppo_trl.core.prefix import (
+    attention_pair_cost,
     group_units,
     prefix_attention_mask,
     prefix_sharing_refusal,
     prompt_segments,
     segment_length,
+    sharing_pays,
 )
 
 PROMPTS_OF_ROWS = (0, 0, 0, 3, 3, 5)  # rows 0-2 share row 0's prompt (left-padded), rows 3-4 row 3's; row 5 alone
@@ -77,6 +79,22 @@ def test_segment_length_counts_the_shared_prefix_once():
     assert segment_length([10, 12, 9], 6) == 31 - 2 * 5
     assert segment_length([10], 6) == 10
     assert segment_length([3, 4], 1) == 7  # a one-token prompt: nothing to share (its token predicts each row)
+
+
+def test_sharing_pays_where_the_positions_saved_outweigh_the_attention_pairs_added():
+    """SmolLM2-135M's layer shapes: one pair costs 3 x (4 x 576) / 7,077,888 = 1/1024 of a token. Measured on CPU
+    (benchmarks/bench_prefix.py): a long prompt before short completions pays, long completions behind a short prompt
+    do not (their segment's one row attends over many more pairs)."""
+    from transformers import LlamaConfig
+
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    cost = attention_pair_cost(smollm2)
+    assert cost == 1 / 1024
+    assert sharing_pays([50 + 16] * 7, 50, cost)  # the real-model benchmark's groups
+    assert sharing_pays([1024 + 128] * 8, 1024, cost)
+    assert not sharing_pays([32 + 512] * 4, 32, cost)
+    assert not sharing_pays([1024 + 16], 1024, cost)  # one row: nothing to share
+    assert sharing_pays([32 + 512] * 4, 32, 0.0)  # attention for free: any shared token pays
 
 
 def test_group_units_keep_a_groups_rows_together_in_pieces_of_at_most_max_rows():
@@ -230,7 +248,7 @@ def test_models_where_a_shared_prefix_is_not_exact_are_refused():
 
 def test_the_tokens_saved_are_logged_as_counted(tmp_path, tiny_model_dir, train_dataset):
     """``dppo/prefix_tokens_saved`` is 1 - (the segments' tokens / the kept rows' tokens), counted by hand from the
-    recorded kept rows (a group's kept rows on the rank share their prompt)."""
+    recorded kept rows (a group's kept rows on the rank share their prompt where ``sharing_pays``)."""
     trainer = train(RecordingTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=2, logging_steps=1,
                     steps_per_generation=2, gradient_accumulation_steps=2)
     logged = [h["dppo/prefix_tokens_saved"] for h in trainer.state.log_history if "dppo/prefix_tokens_saved" in h]
@@ -242,7 +260,10 @@ def test_the_tokens_saved_are_logged_as_counted(tmp_path, tiny_model_dir, train_
         units = group_units(groups, trainer.args.per_device_train_batch_size)
         lengths = (prompt + completion)[keep].tolist()
         kept_prompt = prompt[keep].tolist()
-        shared = sum(segment_length([lengths[i] for i in u], kept_prompt[u[0]]) for u in units)
+        cost = attention_pair_cost(trainer.model.config)
+        shared = sum(segment_length([lengths[i] for i in u], kept_prompt[u[0]])
+                     if sharing_pays([lengths[i] for i in u], kept_prompt[u[0]], cost) else sum(lengths[i] for i in u)
+                     for u in units)
         expected.append(1 - shared / sum(lengths))
     assert len(logged) == len(expected) and max(expected) > 0.2
     assert logged == pytest.approx(expected, abs=1e-6)

@@ -11,6 +11,8 @@ gradient reaching them is the sum over the branches that attend to them, which r
 
 - ``prompt_segments``: the segments of a padded batch (rows with equal real prompt tokens).
 - ``segment_length``: the tokens a segment forwards (the shared prefix once).
+- ``sharing_pays`` / ``attention_pair_cost``: whether a segment costs less than its rows apart. Its one row attends
+  over every pair of its tokens under the mask, so long completions behind a short prompt cost more shared.
 - ``group_units``: rows grouped by their generation group, for the planners.
 - ``prefix_attention_mask``: the 4-D boolean mask of packed rows of segments (``core.packing.packed_inputs``).
 - ``prefix_sharing_refusal``: why a model cannot share prefixes exactly (None when it can).
@@ -22,6 +24,11 @@ import torch
 
 # Attention implementations that take an explicit 4-D mask (what prefix sharing needs), and the mask they take.
 MASK_ATTENTION = {"sdpa": "bool", "eager": "additive"}
+
+# What one attended (query, key) pair under an explicit mask costs, over its share of a layer's FLOPs: the masked
+# kernel computes every pair of a row, where a row of one sequence runs causally. Fitted on benchmarks/bench_prefix.py's
+# CPU runs (sdpa, SmolLM2's layer shapes): with 3 the rule below shares in every cell where sharing was faster.
+MASKED_PAIR_COST_FACTOR = 3.0
 
 
 def prompt_segments(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> list[list[int]]:
@@ -43,6 +50,37 @@ def segment_length(lengths: list[int], prompt_length: int) -> int:
     """Tokens a segment forwards: its rows' ``lengths`` (prompt + completion each), the shared prefix
     (``prompt_length - 1`` tokens) counted once."""
     return sum(lengths) - (len(lengths) - 1) * max(prompt_length - 1, 0)
+
+
+def attention_pair_cost(config) -> float:
+    """One attended (query, key) pair's cost over one token's, in a decoder layer of ``config``'s shapes: FLOPs of
+    ``QK^T`` and ``AV`` for the pair against those of the token's projections and gated MLP, times
+    ``MASKED_PAIR_COST_FACTOR``."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_token = 2 * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim) + 2 * 3 * hidden * intermediate
+    per_pair = 2 * 2 * heads * head_dim
+    return MASKED_PAIR_COST_FACTOR * per_pair / per_token
+
+
+def sharing_pays(lengths: list[int], prompt_length: int, pair_cost: float) -> bool:
+    """Whether rows of one prompt cost less as one segment than apart: the token positions sharing removes against
+    the attended pairs it adds (a segment's row attends over its length squared; the rows apart, over each one's),
+    each pair at ``pair_cost`` tokens (``attention_pair_cost``).
+
+    Args:
+        lengths: the rows' tokens (prompt + completion each).
+        prompt_length: their prompt's real tokens.
+        pair_cost: one attended pair's cost in tokens.
+    """
+    if len(lengths) < 2:
+        return False
+    saved = (len(lengths) - 1) * max(prompt_length - 1, 0)
+    added_pairs = segment_length(lengths, prompt_length) ** 2 - sum(n * n for n in lengths)
+    return saved > pair_cost * added_pairs
 
 
 def group_units(groups: list[int], max_rows: int | None = None) -> list[list[int]]:
