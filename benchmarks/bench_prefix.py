@@ -126,6 +126,7 @@ def main(argv=None):
     parser.add_argument("--json", default=result_path("bench_prefix"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    started = time.perf_counter()
     device = torch.device(args.device)
     kind, fields = CONFIGS["smollm2-135m"]
     CONFIGS["smollm2-2layers"] = (kind, {**fields, "num_hidden_layers": 2, "vocab_size": 2048})
@@ -158,9 +159,9 @@ def main(argv=None):
                 })
                 print(text_table(rows[-1:], COLUMNS), flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "json"}
-    write_json(args.json, {"settings": {**settings, "model": "smollm2-135m shapes, 2 layers, vocab 2048, LoRA r16",
-                                        "attention": "sdpa", "device": str(device), "pair_cost": pair_cost},
-                                        "results": rows})
+    settings.update(model="smollm2-135m shapes, 2 layers, vocab 2048, LoRA r16", attention="sdpa", device=str(device),
+                    pair_cost=pair_cost)
+    write_json(args.json, {"settings": settings, "elapsed_s": time.perf_counter() - started, "results": rows})
     print(text_table(rows, COLUMNS))
 
 

@@ -736,6 +736,25 @@ def revisit_share(results: dict, method: str, state: str) -> str:
     return f"{list(table.values())[int(state)]['spread_next']:.0%}"
 
 
+def prefix_cells(results: dict) -> list[dict]:
+    """bench_prefix.json's cells with more than one kept completion (where there is something to share)."""
+    return [r for r in results["bench_prefix"]["results"] if r["kept"] > 1]
+
+
+def prefix_rule_agreement(results: dict) -> str:
+    """In how many of bench_prefix's cells the default (``sharing_pays``) shares exactly where sharing was faster."""
+    cells = prefix_cells(results)
+    agree = sum(r["shared_by_default"] == (r["time_ratio"] < 1.0) for r in cells)
+    return f"{agree} of {len(cells)}"
+
+
+def prefix_rule_misses(results: dict) -> str:
+    """The cells where the default's decision and the measured sign differ: prompt/completion/kept and time ratio."""
+    misses = [r for r in prefix_cells(results) if r["shared_by_default"] != (r["time_ratio"] < 1.0)]
+    return "; ".join(f"{r['prompt_length']}/{r['completion_length']}/{r['kept']}: {r['time_ratio']:.2f}"
+                     f" ({'shared' if r['shared_by_default'] else 'apart'} by default)" for r in misses) or "none"
+
+
 SPANS = {  # inline values that are not one field: name [arguments] -> function of every results file
     "e2e_grpo_shares": lambda R: e2e_grpo_shares(R["bench_e2e"]),
     "grpo_gamma_gain": lambda R: format(
@@ -749,6 +768,8 @@ SPANS = {  # inline values that are not one field: name [arguments] -> function 
     "bench_audit_alarm_worst": audit_alarm_worst,
     "learning_seeds": learning_seeds,
     "revisit_share": revisit_share,
+    "prefix_rule_agreement": prefix_rule_agreement,
+    "prefix_rule_misses": prefix_rule_misses,
     **{f"design:{n}": _design(n) for n in ("bench_reasoning", "bench_reasoning_designs", "bench_reasoning_adaptive",
                                            "bench_e2e", "bench_train", "bench_gpu")},
 }
