@@ -41,8 +41,9 @@ def eager_attention_in_input_dtype(module, query, key, value, attention_mask, sc
 
 def use_float64_kernels(set_attribute=setattr) -> None:
     """Replace TRL's fused log-prob kernel by ``Float64LogProbs``, Qwen2's RMSNorm forward by
-    ``rms_norm_in_input_dtype`` and its eager attention by ``eager_attention_in_input_dtype``, through ``set_attribute`` (``setattr`` for good, as in a worker process, or
-    pytest's ``monkeypatch.setattr``, undone after the test)."""
+    ``rms_norm_in_input_dtype`` and its eager attention by ``eager_attention_in_input_dtype``, through
+    ``set_attribute`` (``setattr`` for good, as in a worker process, or pytest's ``monkeypatch.setattr``, undone
+    after the test)."""
     import trl.trainer.utils
     from transformers.models.qwen2 import modeling_qwen2
 
