@@ -46,7 +46,7 @@ from harness import reward_curve, time_to, trailing_mean  # noqa: E402, F401  (t
 METHODS = {
     "grpo": None,
     "dppo": dict(completion_keep_rate=0.5),
-    "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
+    "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="ema"),  # as recorded
     "topk": dict(prune_sampling="topk", completion_keep_rate=0.5),
     "zero_variance": dict(prune_sampling="zero_variance"),
 }

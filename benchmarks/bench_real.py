@@ -68,7 +68,7 @@ METHODS = {
     "dppo": dict(completion_keep_rate=0.5),
     # DPPO without prefix sharing (issue 32): every kept row forwards its prompt, as before it.
     "dppo+repeated": dict(completion_keep_rate=0.5, prefix_sharing=False),
-    "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
+    "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="ema"),  # as recorded
     "dppo+calibrated": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="calibrated"),
     "packing": dict(completion_keep_rate=1.0),
     # DPPO with every other batch audited: its logged time ratios, checked against the paired runs' (not for timing:

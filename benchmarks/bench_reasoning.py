@@ -54,7 +54,7 @@ METHODS = {
     "grpo": None,
     "packing": dict(completion_keep_rate=1.0),
     "dppo": dict(completion_keep_rate=0.5),
-    "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5),
+    "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="ema"),  # as recorded
     "systematic": dict(prune_sampling="systematic", completion_keep_rate=0.5),
     "balanced": dict(prune_sampling="balanced", completion_keep_rate=0.5),
     "adaptive": dict(completion_keep_rate=0.25, adaptive_keep_error=0.5),

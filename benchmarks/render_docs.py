@@ -424,7 +424,8 @@ def real_table(data: dict) -> str:
     return md_table(header, body)
 
 
-REAL_LABELS = {"grpo": "GRPO (TRL)", "dppo": "DPPO (keep 0.5)", "dppo+prompt": "DPPO + prompt pruning (0.5)",
+REAL_LABELS = {"grpo": "GRPO (TRL)", "dppo": "DPPO (keep 0.5)",
+               "dppo+prompt": "DPPO + prompt pruning (0.5, ema score)",
                "dppo+calibrated": "DPPO + prompt pruning (0.5, calibrated score)",
                "dppo+audit": "DPPO, every other batch audited"}
 

@@ -188,7 +188,7 @@ class DPPOConfig(GRPOConfig):
         prompt_history_decay (`float`, *optional*, defaults to `0.5`):
             Weight of the old value in a prompt's moving averages, of its groups' mean `|A|` (its score) and of
             their completion lengths (`docs/prompt_pruning.md`, "History"); `0` keeps only the latest group's.
-        prompt_score (`str`, *optional*, defaults to `"ema"`):
+        prompt_score (`str`, *optional*, defaults to `"calibrated"`):
             What predicts a prompt's next mean `|A|`, from which its acceptance probability is set: `"ema"`, the
             moving average of its own groups' (`prompt_history_decay`); `"calibrated"`, what the prompts whose last
             group looked like its last group (flat or spread, and where its mean reward lay) got at their next
@@ -299,7 +299,7 @@ class DPPOConfig(GRPOConfig):
         metadata={"help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."},
     )
     prompt_score: str = field(
-        default="ema",
+        default="calibrated",
         metadata={"help": "Prompt pruning's predictor of a prompt's next mean |A|: 'ema' (its own history) or "
                   "'calibrated' (measured over the run by the look of its last group)."},
     )

@@ -27,7 +27,7 @@ RUNS = {
     "topk_padded": dict(prune_sampling="topk", packing=False, gradient_accumulation_steps=2),
     "zero_variance_packed": dict(prune_sampling="zero_variance", packing=True, reward="coarse"),
     "prompt_pruning_packed": dict(prune_sampling="systematic", packing=True, prompt_keep_rate=0.5, max_steps=10,
-                                  prompts=4),
+                                  prompts=4, prompt_score="ema"),
     "entropy_filter_bonus": dict(prune_sampling="stratified", packing=True, top_entropy_quantile=0.5,
                                  entropy_coef=0.01, loss_type="dr_grpo"),
     "packing_only_sequence_is": dict(completion_keep_rate=1.0, packing=True, importance_sampling_level="sequence",
@@ -132,7 +132,8 @@ def run(name: str, model_dir: str, workdir: Path) -> dict:
 OLD_CHECKPOINT = GOLDEN_FILE.parent / "old_checkpoint"
 # Runs with each kind of DPPO state (prompt pruning's sampler; the audit's records), checkpointed at step 4.
 CHECKPOINTED = {
-    "prompt_pruning": dict(prune_sampling="systematic", packing=True, prompt_keep_rate=0.5, prompts=4),
+    "prompt_pruning": dict(prune_sampling="systematic", packing=True, prompt_keep_rate=0.5, prompts=4,
+                           prompt_score="ema"),
     "audit": dict(prune_sampling="stratified", packing=True, audit_every=1, prompts=64),
 }
 _OLD_FILES = {"prompt_pruning": "dppo_prompt_sampler.json", "audit": "dppo_audit.pt"}
