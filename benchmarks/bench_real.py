@@ -286,7 +286,7 @@ def prefix_sharing_figures(runs):
     return {
         "seeds": seeds,
         "ratios": {name: median_phase_ratios(per_seed)[name] for name in SHARING_PHASES},
-        "per_seed": {name: [r[name][0] for r in per_seed] for name in SHARING_PHASES},
+        "per_seed": {name: [r[name][0] for r in per_seed] for name in SHARING_PHASES},  # None: a phase not run
         "prefix_tokens_saved": statistics.mean(saved) if saved else 0.0,
     }
 
@@ -364,7 +364,8 @@ def report(args, runs, trainer_args, elapsed, runs_file):
     if sharing is not None:
         print("\nPrefix sharing: DPPO over DPPO with repeated prompts (median over seeds of each seed's ratio ± SE), "
               f"token positions removed {sharing['prefix_tokens_saved']:.3f}:")
-        print("  " + ", ".join(f"{name} {pm(*sharing['ratios'][name])}" for name in SHARING_PHASES))
+        ratios = sharing["ratios"]  # None for a phase neither ran (no log-prob passes at GA = spg, beta 0)
+        print("  " + ", ".join(f"{name} {pm(*ratios[name]) if ratios[name] else '-'}" for name in SHARING_PHASES))
     if check is not None:
         print(f"audit check: the audit's step ratio {check['audit_step_time_ratio']:.3f} vs the paired runs' "
               f"{check['paired_step_time_ratio']:.3f} ({100 * check['relative_difference']:+.1f}%, "

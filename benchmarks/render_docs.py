@@ -593,7 +593,7 @@ def real_prefix_table(results: dict) -> str:
         sharing, by = data["prefix_sharing"], {r["method"]: r for r in data["results"]}
         ratios = sharing["ratios"]
         body.append([engine, str(len(sharing["seeds"])), f"{sharing['prefix_tokens_saved']:.2f}",
-                     *(pm(*ratios[p]) for p in ("logps", "loss", "training", "step")),
+                     *(pm(*ratios[p]) if ratios[p] else "-" for p in ("logps", "loss", "training", "step")),
                      pm(*by["dppo"]["phase_ratios"]["step"]), pm(*by["dppo+repeated"]["phase_ratios"]["step"])])
     return md_table(header, body)
 
