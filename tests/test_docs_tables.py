@@ -99,7 +99,7 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
     assert len(table) == 4  # GRPO's own row (all 1) is left out
     assert table[2] == ("| DPPO (keep 0.5) | 3 | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | "
                         "0.80 ± 0.05 (3/3) | +0.010 [-0.040, +0.060] | yes |")
-    assert table[3].startswith("| DPPO + prompt pruning (0.5) | 3 | - (0/3) | 0.80 (1/3) |") and table[3].endswith("| no |")
+    assert table[3].startswith("| DPPO + prompt pruning (0.5, ema score) | 3 | - (0/3) | 0.80 (1/3) |") and table[3].endswith("| no |")
     projection = [{"method": "dppo", "generation_share": s, "time_ratio": t, "time_ratio_se": 0.01}
                   for s, t in ((0.1, 0.25), (0.7, 0.5))]
     assert render_docs.projection_table({"projection": projection}).splitlines()[2:] == [
