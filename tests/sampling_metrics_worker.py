@@ -49,8 +49,9 @@ def main(model_dir: str, out_dir: str, name: str) -> None:
     else:
         cls = SimDPPO
         cls.RANK_BALANCE_TOLERANCE = 0.0  # move rows wherever a move evens the ranks' tokens
+        # Rows repeated (no prefix sharing): with it whole groups move, and none fits the ranks' gap here.
         args = simulated_vllm_config(Path(out_dir), "token_truncate", cls=DPPOConfig, completion_keep_rate=1.0,
-                                     **settings)
+                                     prefix_sharing=False, **settings)
     gradients = OptimizerGradients()
     trainer = cls(model_dir, random_reward, args=args, train_dataset=uneven_prompts(), callbacks=[gradients])
     gradients.model = trainer.model

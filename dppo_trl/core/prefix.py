@@ -26,8 +26,8 @@ import torch
 MASK_ATTENTION = {"sdpa": "bool", "eager": "additive"}
 
 # What one attended (query, key) pair under an explicit mask costs, over its share of a layer's FLOPs: the masked
-# kernel computes every pair of a row, where a row of one sequence runs causally. Fitted on benchmarks/bench_prefix.py's
-# CPU runs (sdpa, SmolLM2's layer shapes): with 3 the rule below shares in every cell where sharing was faster.
+# kernel computes every pair of a row, where a row of one sequence runs causally. Fitted on bench_prefix.py's CPU
+# runs (sdpa, SmolLM2's layer shapes); how often the rule then agrees with the measured sign: docs/benchmarks.md.
 MASKED_PAIR_COST_FACTOR = 3.0
 
 
