@@ -206,8 +206,9 @@ class DPPOConfig(GRPOConfig):
             items 2 and 4.
         prefix_sharing (`bool`, *optional*):
             Prefix sharing in the packed passes (`docs/packing.md`, "Prefix sharing"): the kept completions of a
-            group forward their prompt once, exactly. `None`: on where the model's attention kernel and layers
-            make it exact (sdpa or eager, full attention, no MoE router loss), else off with the reason logged once.
+            group forward their prompt once, exactly, where that is faster than repeating it. `None`: on where the
+            model's attention kernel and layers make it exact (sdpa or eager, full attention, no MoE router loss),
+            else off with the reason logged once.
             `True`: on, and an error at construction where it is not exact. `False`: off.
     """
 
