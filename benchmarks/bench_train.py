@@ -74,6 +74,8 @@ def build(kind, model_dir, dataset, args_kwargs, max_packed_tokens=None):
             completion_keep_rate=0.5,
             packing=packing,
             max_packed_tokens=max_packed_tokens if packing else None,
+            # Packing against padding, counted in repeated rows; prefix sharing is benchmarks/bench_prefix.py's.
+            prefix_sharing=False if packing else None,
         )
         trainer = DPPOTrainer(model_dir, exact_answer_reward, args=config, train_dataset=dataset)
     trainer.model.train()

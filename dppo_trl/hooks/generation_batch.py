@@ -34,9 +34,8 @@ class GenerationBatch:
         row_tokens: (N, 3) long: each row's prompt, completion and loss tokens.
         padded_widths: (world, 2) long: each rank's padded prompt and completion widths.
         widths_per_rank: each rank's padded sequence width (every rank's the widest once rows move).
-        kept_lengths_per_rank: per rank, the sequence lengths of the rows it trains, in order.
-        kept_rows_per_rank: per rank, the rows it trains (indices into the ``N`` rows; row // num_generations is
-            the row's group), in the order of ``kept_lengths_per_rank``.
+        kept_rows_per_rank: per rank, the rows it trains, in order (indices into the ``N`` rows; row //
+            num_generations is the row's group).
         keep: (N,) bool: the keep decision, the same on every rank.
         weights: (N,) float64: the rows' Horvitz-Thompson weights (times the prompt weights).
         keep_probabilities: (N,) float64 ``pi``, None for the deterministic designs.
@@ -52,7 +51,6 @@ class GenerationBatch:
     row_tokens: torch.Tensor | None = None
     padded_widths: torch.Tensor | None = None
     widths_per_rank: list[int] = dataclasses.field(default_factory=list)
-    kept_lengths_per_rank: list[list[int]] = dataclasses.field(default_factory=list)
     kept_rows_per_rank: list[list[int]] = dataclasses.field(default_factory=list)
     keep: torch.Tensor | None = None
     weights: torch.Tensor | None = None
@@ -67,6 +65,12 @@ class GenerationBatch:
     def sequence_lengths(self) -> torch.Tensor:
         """(N,) each row's prompt plus completion tokens."""
         return self.row_tokens[:, :2].sum(1)
+
+    @property
+    def kept_lengths_per_rank(self) -> list[list[int]]:
+        """Per rank, the sequence lengths of the rows it trains, in the order of ``kept_rows_per_rank``."""
+        lengths = self.sequence_lengths
+        return [lengths[rows].tolist() for rows in self.kept_rows_per_rank]
 
     @property
     def loss_tokens(self) -> torch.Tensor:

@@ -86,10 +86,8 @@ class KeepDecision:
         pi, keep = batch.keep_probabilities, batch.keep
         batch.weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
         self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
-        world = self.accelerator.num_processes
-        per_rank = zip(batch.sequence_lengths.view(world, local_rows), keep.view(world, local_rows))
-        batch.kept_lengths_per_rank = [rank_lengths[kept].tolist() for rank_lengths, kept in per_rank]
-        batch.kept_rows_per_rank = [rows[keep[rows]].tolist() for rows in torch.arange(keep.numel()).view(world, -1)]
+        rows_per_rank = torch.arange(keep.numel()).view(self.accelerator.num_processes, local_rows)
+        batch.kept_rows_per_rank = [rows[keep[rows]].tolist() for rows in rows_per_rank]
 
     def _decide_keep(self, scores: torch.Tensor, batch: GenerationBatch) -> tuple:
         """``(keep, pi, summary)`` of the generation batch: the design's mask and keep probabilities (``pi`` None

@@ -87,11 +87,9 @@ class RowPlacement:
         per-row tensor travels (one fixed-size gather per key, padded to the widest rank). Each row's loss term
         is normalized by global constants or by its own TRL micro-batch's count, which travels with it, so where a
         row trains does not change the gradient. No row moves while micro-batches follow TRL's split. Updates the
-        kept lengths and widths in ``batch``."""
+        kept rows and widths in ``batch``."""
         tolerance = math.inf if self._microbatches_follow_trl_split else self.RANK_BALANCE_TOLERANCE
-        kept_lengths = batch.kept_lengths_per_rank
         plan, loads_before, loads_after = self._rank_plan(batch, tolerance)
-        length = lambda row: kept_lengths[row[0]][row[1]]  # noqa: E731
         metrics = self._metrics["train"]
         metrics["dppo/rank_imbalance_before"].append(rank_imbalance(loads_before))
         metrics["dppo/rank_imbalance"].append(rank_imbalance(loads_after))
@@ -113,7 +111,6 @@ class RowPlacement:
             out[key] = torch.cat([value, gathered[arriving]])
         out["dppo_keep"][leaving] = False
         out["dppo_weight"][leaving] = 0.0
-        batch.kept_lengths_per_rank = [[length(row) for row in rows] for rows in plan]
         batch.kept_rows_per_rank = [[batch.kept_rows_per_rank[r][i] for r, i in rows] for rows in plan]
         return out
 

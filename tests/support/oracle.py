@@ -65,14 +65,13 @@ def as_float64(batch):
 
 
 def generation_batch_of(batch, keep):
-    """The ``GenerationBatch`` of one rank's ``batch`` (TRL's rows) with the rows ``keep`` kept: their token counts,
-    kept lengths and kept rows, as ``hooks.keep_decision`` records them."""
+    """The ``GenerationBatch`` of one rank's ``batch`` (TRL's rows) with the rows ``keep`` kept: their token counts
+    and kept rows, as ``hooks.keep_decision`` records them."""
     from dppo_trl.hooks.generation_batch import GenerationBatch
 
     prompt, completion = batch["prompt_mask"].sum(1), batch["completion_mask"].sum(1)
     return GenerationBatch(
         row_tokens=torch.stack([prompt, completion, completion], 1),
-        kept_lengths_per_rank=[(prompt + completion)[keep].tolist()],
         kept_rows_per_rank=[keep.nonzero().flatten().tolist()],
     )
 
