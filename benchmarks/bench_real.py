@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from harness import (  # noqa: E402
     LORA,
     STEP_PHASES,
+    TARGET_COLUMNS,
     mean_se,
     median_phase_ratios,
     phase_means,
@@ -103,18 +104,8 @@ COLUMNS = [
 ]
 
 
-def _ratio_cell(key, digits=2):
-    return lambda r: f"{pm(r[key + '_mean'], r[key + '_se'], digits)} ({r[key + '_reached']})"
-
-
-TARGET_COLUMNS = [
-    ("method", -13, "method:"),
-    ("steps (train)", 22, _ratio_cell("steps_to_90_ratio")),
-    ("time (train)", 22, _ratio_cell("time_to_90_ratio")),
-    ("steps (held-out)", 22, _ratio_cell("heldout_steps_to_90_ratio")),
-    ("time (held-out)", 22, _ratio_cell("heldout_time_to_90_ratio")),
-    ("held-out - GRPO, 95% CI", 26,
-     lambda r: "-" if r["heldout_final_diff_ci"] is None else "[{:+.3f}, {:+.3f}]".format(*r["heldout_final_diff_ci"])),
+SPEED_COLUMNS = [  # the target figures, then the time per step against GRPO's
+    *TARGET_COLUMNS,
     ("step/GRPO", 15, lambda r: "-" if r["phase_ratios"] is None else pm(*r["phase_ratios"]["step"])),
     ("train/GRPO", 15, lambda r: "-" if r["phase_ratios"] is None else pm(*r["phase_ratios"]["training"])),
 ]
@@ -355,7 +346,7 @@ def report(args, runs, trainer_args, elapsed, runs_file):
           f"± {rise['heldout_rise_se']:.3f} ({z(rise['heldout_rise_z'])} SE)")
     print(text_table(rows, COLUMNS))
     print("\nTo 90% of GRPO's rise (ratios to GRPO's, mean ± SE over the seeds that reached it), time per step:")
-    print(text_table(rows, TARGET_COLUMNS))
+    print(text_table(rows, SPEED_COLUMNS))
     if project:
         print("\nProjected time to the training-reward target over GRPO's (speedup), by generation's share of GRPO's step:")
         for method in dict.fromkeys(p["method"] for p in project):

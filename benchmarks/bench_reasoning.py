@@ -42,6 +42,9 @@ from harness import (  # noqa: E402
     run_methods,
     runs_path,
     summarize,
+    TARGET_COLUMNS,
+    target_figures,
+    text_table,
     time_to_target_ratio,
     warm_up,
     without_per_seed,
@@ -110,13 +113,17 @@ def per_seed_figures(run, base, window=2):
     }
 
 
-def summarize_runs(runs, methods, window=2):
+def summarize_runs(runs, methods, window=2, target_window=8):
     """One row per method: medians over seeds of the per-seed figures (ratios taken within a seed), the final
-    accuracy's mean and spread over seeds, and how many seeds reached GRPO's final accuracy."""
+    accuracy's mean and spread over seeds, how many seeds reached GRPO's final accuracy, and the steps and time
+    to 90% of GRPO's rise (``harness.target_figures``: the training reward over ``target_window`` generation
+    batches, the held-out accuracy), as ratios to GRPO's, with the final accuracy's paired interval."""
 
     def extra(method, per_seed):
+        targets = target_figures(runs, method, target_window)
         return {"settings": METHODS.get(method),
-                "phase_s": {p: statistics.median(s["phases"][p] for s in per_seed) for p in PHASES}}
+                "phase_s": {p: statistics.median(s["phases"][p] for s in per_seed) for p in PHASES},
+                **{k: v for k, v in targets.items() if k != "seeds"}}  # "seeds" stays the count
 
     return summarize(runs, methods, functools.partial(per_seed_figures, window=window), MEDIANS,
                      finals=("accuracy", "greedy"), extra=extra)
@@ -149,6 +156,8 @@ def main(argv=None):
     parser.add_argument("--eval-every", type=float, default=0.25, help="epochs of data between evaluations")
     parser.add_argument("--eval-samples", type=int, default=1, help="sampled completions per held-out draw")
     parser.add_argument("--eval-window", type=int, default=2, help="evaluations in the trailing accuracy mean")
+    parser.add_argument("--window", type=int, default=8,
+                        help="generation batches in the trailing reward mean of the 90%%-of-rise target")
     parser.add_argument("--batch-size", type=int, default=32, help="per_device_train_batch_size (completions)")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
     parser.add_argument("--steps-per-generation", type=int, default=4)
@@ -177,9 +186,11 @@ def main(argv=None):
     )
     warm_up(setup, METHODS["dppo"], args.warmup, evaluate=None)
     runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, started=started)
-    rows = summarize_runs(runs, args.methods, args.eval_window)
+    rows = summarize_runs(runs, args.methods, args.eval_window, args.window)
     print_table(rows, COLUMNS, f"countdown, {args.epochs:g} epochs x {args.train_prompts} prompts "
                                f"(seeds {args.seeds}, ratios to GRPO in the same run)")
+    print("\nTo 90% of GRPO's rise (ratios to GRPO's, mean ± SE over the seeds that reached it):")
+    print(text_table(rows, TARGET_COLUMNS))
     plots = plot(runs, rows, args.plots) if args.plots else []
     out = Path(args.json)
     runs_file = write_json(runs_path(out), runs, compact=True)  # per-step records: large, not committed

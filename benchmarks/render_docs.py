@@ -438,61 +438,80 @@ def _reached(r, key):
     return f"{mean:.2f} ({reached})" if reached.startswith("1/") else f"{mean:.2f} ± {se:.2f} ({reached})"
 
 
-def learning_table(data: dict) -> str:
-    """bench_real*_learning.json: per method, the steps and the time to 90% of GRPO's rise as ratios to GRPO's
-    (mean ± SE over the seeds that reached it), and the final held-out score's paired difference with its 95%
-    interval."""
-    header = ["method", "seeds", "steps to target: training reward", "steps: held-out score",
+LEARNING_RUNS = (("bench_real_learning", "transformers"), ("bench_real_vllm_learning", "vLLM, colocated"))
+
+
+def learning_records(results: dict) -> list[tuple[str, dict]]:
+    """(engine, summary) of each learning summary recorded (bench_real*_learning.json), transformers first."""
+    return [(engine, results[name]) for name, engine in LEARNING_RUNS if name in results]
+
+
+def learning_table(results: dict) -> str:
+    """bench_real*_learning.json, per engine and method: the steps and the time to 90% of GRPO's rise as ratios to
+    GRPO's (mean ± SE over the seeds that reached it), and the final held-out score's paired difference with its
+    95% interval."""
+    header = ["generating with", "method", "seeds", "steps to target: training reward", "steps: held-out score",
               "time to target: training reward", "time: held-out score", "held-out minus GRPO's, 95% CI",
               "non-inferior (CI above -0.05)"]
     body = []
-    for r in data["results"]:
-        if r["method"] == "grpo":
-            continue
-        ci = r["heldout_final_diff_ci"]
-        body.append([REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
-                     _reached(r, "heldout_steps_to_90_ratio"), _reached(r, "time_to_90_ratio"),
-                     _reached(r, "heldout_time_to_90_ratio"),
-                     "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
-                     "yes" if r["heldout_non_inferior"] else "no"])
+    for engine, data in learning_records(results):
+        for r in data["results"]:
+            if r["method"] == "grpo":
+                continue
+            ci = r["heldout_final_diff_ci"]
+            body.append([engine, REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
+                         _reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"),
+                         _reached(r, "time_to_90_ratio"), _reached(r, "heldout_time_to_90_ratio"),
+                         "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                         "yes" if r["heldout_non_inferior"] else "no"])
     return md_table(header, body)
 
 
-PHASE_VARIANTS = (("dapo", "`dapo` (TRL's default)"), ("grpo", "`grpo`"), ("dr_grpo", "`dr_grpo`"),
-                  ("gspo", "GSPO (`importance_sampling_level=\"sequence\"`)"))
+# The paired per-phase records, each a loss (or GSPO), an engine and when: bench-prefix's runs have prefix
+# sharing on (the default since), bench-real-phases' predate it.
+PHASE_RECORDS = (
+    ("bench_real_prefix", "`dapo` (TRL's default)", "transformers, prefix sharing on"),
+    ("bench_real_prefix_vllm", "`dapo` (TRL's default)", "vLLM colocated, prefix sharing on"),
+    ("bench_real_phases_dapo", "`dapo` (TRL's default)", "transformers, before prefix sharing"),
+    ("bench_real_phases_grpo", "`grpo`", "transformers, before prefix sharing"),
+    ("bench_real_phases_dr_grpo", "`dr_grpo`", "transformers, before prefix sharing"),
+    ("bench_real_phases_gspo", 'GSPO (`importance_sampling_level="sequence"`)', "transformers, before prefix sharing"),
+)
 
 
 def phases_table(results: dict) -> str:
-    """bench_real_phases_*.json: per loss (and GSPO) and method, GRPO's seconds per step and each method's time per
-    step by phase as a ratio to GRPO's (the mean over the steps after the first, with its SE)."""
-    header = ["loss", "method", "GRPO's step", "step vs GRPO", "generation", "log-prob passes", "loss fwd + bwd",
-              "rest", "all but generation"]
+    """The paired per-phase records (``PHASE_RECORDS``): per loss, engine and method, GRPO's seconds per step and
+    each method's time per step by phase as a ratio to GRPO's (the median over seeds of the mean over the steps
+    after the first, with its SE)."""
+    header = ["loss", "record", "method", "GRPO's step", "step vs GRPO", "generation", "log-prob passes",
+              "loss fwd + bwd", "rest", "all but generation"]
     body = []
-    for variant, label in PHASE_VARIANTS:
-        data = results.get(f"bench_real_phases_{variant}")
+    for name, loss, record in PHASE_RECORDS:
+        data = results.get(name)
         if data is None:
             continue
-        grpo = rows(f"bench_real_phases_{variant}", data)["grpo"]
+        grpo = rows(name, data)["grpo"]
         for r in data["results"]:
-            if r["method"] in ("grpo", "dppo+audit"):
+            if r["method"] in ("grpo", "dppo+audit", "dppo+repeated"):
                 continue
             ratio = r["phase_ratios"]
             cell = lambda name: "-" if ratio[name] is None else "{:.2f} ± {:.2f}".format(*ratio[name])  # noqa: E731
-            body.append([label, REAL_LABELS.get(r["method"], r["method"]), f"{grpo['phase_seconds']['step']:.1f} s",
-                         cell("step"), cell("generation"), cell("logps"), cell("loss"), cell("rest"),
-                         cell("training")])
+            body.append([loss, record, REAL_LABELS.get(r["method"], r["method"]),
+                         f"{grpo['phase_seconds']['step']:.1f} s", cell("step"), cell("generation"), cell("logps"),
+                         cell("loss"), cell("rest"), cell("training")])
     return md_table(header, body)
 
 
-def projection_table(data: dict) -> str:
+def projection_table(results: dict) -> str:
     """bench_real*_learning.json's ``projection``: the time to the training-reward target over GRPO's (± SE) and
-    the speedup, by generation's share of GRPO's step (a row) and method (a column)."""
-    methods = list(dict.fromkeys(p["method"] for p in data["projection"]))
-    shares = sorted({p["generation_share"] for p in data["projection"]})
-    at = {(p["method"], p["generation_share"]): p for p in data["projection"]}
-    header = ["generation's share of GRPO's step"] + [REAL_LABELS.get(m, m) for m in methods]
-    body = [[f"{s:.0%}"] + [f"{at[m, s]['time_ratio']:.2f} ± {at[m, s]['time_ratio_se']:.2f} "
-                            f"({1 / at[m, s]['time_ratio']:.2f}x)" for m in methods] for s in shares]
+    the speedup, by generation's share of GRPO's step (a row), engine and method (a column)."""
+    columns = [(engine, m, {p["generation_share"]: p for p in data["projection"] if p["method"] == m})
+               for engine, data in learning_records(results)
+               for m in dict.fromkeys(p["method"] for p in data["projection"])]
+    shares = sorted({s for *_, at in columns for s in at})
+    header = ["generation's share of GRPO's step", *(f"{REAL_LABELS.get(m, m)}, {engine}" for engine, m, _ in columns)]
+    cell = lambda p: f"{p['time_ratio']:.2f} ± {p['time_ratio_se']:.2f} ({1 / p['time_ratio']:.2f}x)"  # noqa: E731
+    body = [[f"{s:.0%}", *(cell(at[s]) for *_, at in columns)] for s in shares]
     return md_table(header, body)
 
 
@@ -543,24 +562,25 @@ def headline_table(results: dict) -> str:
     return md_table(header, body)
 
 
-def headline_speed_table(data: dict) -> str:
-    """README's second headline: the speedup in two factors on the real model (bench_real_learning.json): learning
-    per step (steps to 90% of GRPO's rise), the final held-out score's paired difference, the training time per
-    step (paired runs), and their product at a GPU-like generation share."""
-    share = data["projection_sources"]["typical_gpu_generation_share"]
-    at = {p["method"]: p for p in data["projection"] if abs(p["generation_share"] - share) < 1e-9}
-    header = ["method", "seeds", "steps to target: reward", "steps: held-out", "held-out minus GRPO's, 95% CI",
-              f"projected speedup at {share:.0%} generation"]
-    body = []
-    for r in data["results"]:
-        if r["method"] == "grpo":
-            continue
-        ci = r["heldout_final_diff_ci"]
-        speed = at.get(r["method"])
-        body.append([REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
-                     _reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"),
-                     "-" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
-                     "-" if speed is None else f"{1 / speed['time_ratio']:.2f}x"])
+def headline_speed_table(results: dict) -> str:
+    """README's second headline: the speedup in two factors on the real model, per engine
+    (bench_real*_learning.json): learning per step (steps to 90% of GRPO's rise), the final held-out score's paired
+    difference, and the product with the training time per step (paired runs) at a GPU-like generation share."""
+    header, body = None, []
+    for engine, data in learning_records(results):
+        share = data["projection_sources"]["typical_gpu_generation_share"]
+        at = {p["method"]: p for p in data["projection"] if abs(p["generation_share"] - share) < 1e-9}
+        header = ["generating with", "method", "seeds", "steps to target: reward", "steps: held-out",
+                  "held-out minus GRPO's, 95% CI", f"projected speedup at {share:.0%} generation"]
+        for r in data["results"]:
+            if r["method"] == "grpo":
+                continue
+            ci = r["heldout_final_diff_ci"]
+            speed = at.get(r["method"])
+            body.append([engine, REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
+                         _reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"),
+                         "-" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                         "-" if speed is None else f"{1 / speed['time_ratio']:.2f}x"])
     return md_table(header, body)
 
 
@@ -664,9 +684,9 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_train": ("bench_train", train_table),
     "bench_real": ("bench_real", real_table),
     "bench_real_vllm": ("bench_real_vllm", real_table),
-    "bench_real_learning": ("bench_real_learning", learning_table),
-    "headline_speed": ("bench_real_learning", headline_speed_table),
-    "bench_real_projection": ("bench_real_learning", projection_table),
+    "bench_real_learning": (ALL_RESULTS, learning_table),
+    "headline_speed": (ALL_RESULTS, headline_speed_table),
+    "bench_real_projection": (ALL_RESULTS, projection_table),
     "bench_real_prompt_pruning": ("bench_real_learning", prompt_pruning_table),
     "bench_real_revisits": ("bench_real_learning", revisits_table),
     "bench_real_phases": (ALL_RESULTS, phases_table),

@@ -186,7 +186,7 @@ def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys
     out = tmp_path / "reasoning.json"
     rows = bench_reasoning.main(["--seeds", "0", "--epochs", "2", "--train-prompts", "16", "--heldout", "4",
                                  "--eval-every", "0.5", "--sft-steps", "20", "--hidden-size", "32", "--layers", "1",
-                                 "--batch-size", "16",
+                                 "--batch-size", "16", "--window", "2",
                                  "--warmup", "0", "--model-cache", str(tmp_path / "model"), "--json", str(out),
                                  "--plots", str(tmp_path / "plots")])
     by = {r["method"]: r for r in rows}
@@ -203,13 +203,20 @@ def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys
     assert by["dppo+prompt"]["generated_completions"] <= 256  # prompt pruning may generate fewer in epoch 2
     for row in rows:
         assert 0 <= row["zero_variance_share"] <= 1 and abs(sum(row["phase_share"].values()) - 1) < 1e-6
+        assert row["seeds"] == 1 and row["heldout_final_diff_ci"] is None  # one seed: no interval
+    # the 90%-of-rise figures: GRPO against itself is 1 wherever its curve rose (None where it did not)
+    for key in ("steps_to_90_ratio", "time_to_90_ratio", "heldout_steps_to_90_ratio", "heldout_time_to_90_ratio"):
+        assert grpo[key + "_per_seed"] in ([1.0], [None])
     saved = json.loads(out.read_text())
     assert [r["method"] for r in saved["results"]] == list(bench_reasoning.METHODS)
     runs = json.loads((tmp_path / saved["runs_file"]).read_text())
+    last = {r["method"]: r["evals"][-1]["accuracy"] for r in runs}
+    assert by["dppo"]["heldout_final_diff_mean"] == pytest.approx(last["dppo"] - last["grpo"], abs=1e-12)
     progress = [e["progress"] for e in runs[0]["evals"]]
     assert progress[0] == 0 and progress[-1] == 8 and len(progress) >= 3  # 2 epochs x 4 steps, every half epoch
     assert len(saved["plots"]) == 2 and all(Path(p).stat().st_size > 10_000 for p in saved["plots"])
-    assert "epoch/GRPO" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "epoch/GRPO" in printed and "To 90% of GRPO's rise" in printed
     replotted = bench_reasoning.main(["--from-json", str(out), "--plots", str(tmp_path / "again")])
     assert replotted == saved["results"] and len(list((tmp_path / "again").glob("*.png"))) == 2
 

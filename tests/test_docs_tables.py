@@ -95,18 +95,33 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
     grpo = _target_row("grpo")
     once = _target_row("dppo+prompt", heldout_steps_to_90_ratio_reached="1/3", heldout_final_diff_ci=[-0.09, 0.02],
                        heldout_non_inferior=False, steps_to_90_ratio_mean=None, steps_to_90_ratio_reached="0/3")
-    table = render_docs.learning_table({"results": [grpo, _target_row("dppo"), once]}).splitlines()
-    assert len(table) == 4  # GRPO's own row (all 1) is left out
-    assert table[2] == ("| DPPO (keep 0.5) | 3 | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | "
-                        "0.80 ± 0.05 (3/3) | +0.010 [-0.040, +0.060] | yes |")
-    assert table[3].startswith("| DPPO + prompt pruning (0.5, ema score) | 3 | - (0/3) | 0.80 (1/3) |") and table[3].endswith("| no |")
+    vllm = _target_row("dppo", seeds=[0, 1], steps_to_90_ratio_mean=1.1)
+    results = {"bench_real_learning": {"results": [grpo, _target_row("dppo"), once]},
+               "bench_real_vllm_learning": {"results": [grpo, vllm]}}
+    table = render_docs.learning_table(results).splitlines()
+    assert len(table) == 5  # GRPO's own rows (all 1) are left out; transformers first
+    assert table[2] == ("| transformers | DPPO (keep 0.5) | 3 | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | "
+                        "0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | +0.010 [-0.040, +0.060] | yes |")
+    assert table[3].startswith("| transformers | DPPO + prompt pruning (0.5, ema score) | 3 | - (0/3) | 0.80 (1/3) |")
+    assert table[3].endswith("| no |") and table[4].startswith("| vLLM, colocated | DPPO (keep 0.5) | 2 | 1.10 ± 0.05")
+    assert len(render_docs.learning_table({"bench_real_learning": results["bench_real_learning"]}).splitlines()) == 4
     projection = [{"method": "dppo", "generation_share": s, "time_ratio": t, "time_ratio_se": 0.01}
                   for s, t in ((0.1, 0.25), (0.7, 0.5))]
-    assert render_docs.projection_table({"projection": projection}).splitlines()[2:] == [
-        "| 10% | 0.25 ± 0.01 (4.00x) |", "| 70% | 0.50 ± 0.01 (2.00x) |"]
-    data = {"results": [grpo, _target_row("dppo")], "projection": projection,
-            "projection_sources": {"typical_gpu_generation_share": 0.7}}
-    assert render_docs.headline_speed_table(data).splitlines()[2].endswith("| [-0.040, +0.060] | 2.00x |")
+    faster = [dict(p, time_ratio=p["time_ratio"] / 2) for p in projection]
+    both = {"bench_real_learning": {"projection": projection}, "bench_real_vllm_learning": {"projection": faster}}
+    assert render_docs.projection_table(both).splitlines()[0].endswith(
+        "| DPPO (keep 0.5), transformers | DPPO (keep 0.5), vLLM, colocated |")
+    assert render_docs.projection_table(both).splitlines()[2:] == [
+        "| 10% | 0.25 ± 0.01 (4.00x) | 0.12 ± 0.01 (8.00x) |",
+        "| 70% | 0.50 ± 0.01 (2.00x) | 0.25 ± 0.01 (4.00x) |",
+    ]
+    sources = {"typical_gpu_generation_share": 0.7}
+    data = {"bench_real_learning": {"results": [grpo, _target_row("dppo")], "projection": projection,
+                                    "projection_sources": sources},
+            "bench_real_vllm_learning": {"results": [grpo, vllm], "projection": faster, "projection_sources": sources}}
+    headline = render_docs.headline_speed_table(data).splitlines()
+    assert headline[2].startswith("| transformers | DPPO (keep 0.5) |") and headline[2].endswith("| 2.00x |")
+    assert headline[3].startswith("| vLLM, colocated | DPPO (keep 0.5) | 2 |") and headline[3].endswith("| 4.00x |")
 
 
 def test_inline_values_read_fields_ratios_and_ranges():

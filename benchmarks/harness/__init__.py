@@ -45,6 +45,7 @@ from .report import (
     result_path,
     reward_panels,
     runs_path,
+    TARGET_COLUMNS,
     text_table,
     without_per_seed,
     write_json,
@@ -80,6 +81,6 @@ __all__ = [
     "pooled", "print_table", "projection", "read_json", "reasoning_gym_score", "reasoning_gym_setup", "result_path",
     "revisit_outcomes", "reward_curve", "reward_panels", "run_methods", "run_one", "runs_path", "seed_mean", "SHARES",
     "STEP_PHASE_LABELS", "STEP_PHASES", "suite_helper", "summarize", "summarize_at_budget", "target_figures",
-    "text_table", "time_to", "time_to_target_ratio", "timed", "trailing_mean", "vllm_on_cpu", "warm_up",
-    "without_per_seed", "write_json",
+    "TARGET_COLUMNS", "text_table", "time_to", "time_to_target_ratio", "timed", "trailing_mean", "vllm_on_cpu",
+    "warm_up", "without_per_seed", "write_json",
 ]

@@ -47,6 +47,23 @@ def pm(mean, se, digits=3):
     return "-" if mean is None else f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
+def _target_cell(key):
+    """``mean ± SE (reached/seeds)`` of one of ``targets.TARGET_RATIOS`` in a summary row."""
+    return lambda r: f"{pm(r[key + '_mean'], r[key + '_se'], 2)} ({r[key + '_reached']})"
+
+
+# The text columns of the 90%-of-rise figures (``targets.target_figures``), for ``text_table``.
+TARGET_COLUMNS = [
+    ("method", -13, "method:"),
+    ("steps (train)", 22, _target_cell("steps_to_90_ratio")),
+    ("time (train)", 22, _target_cell("time_to_90_ratio")),
+    ("steps (held-out)", 22, _target_cell("heldout_steps_to_90_ratio")),
+    ("time (held-out)", 22, _target_cell("heldout_time_to_90_ratio")),
+    ("held-out - GRPO, 95% CI", 26,
+     lambda r: "-" if r["heldout_final_diff_ci"] is None else "[{:+.3f}, {:+.3f}]".format(*r["heldout_final_diff_ci"])),
+]
+
+
 def text_table(rows, columns) -> str:
     """A fixed-width text table. ``columns``: ``(header, width, cell)``; ``cell`` a function of a row, or
     ``"key:spec"`` (``row[key]`` formatted, ``-`` for None); a negative width aligns left, width 0 is a last column
