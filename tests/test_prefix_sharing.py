@@ -215,6 +215,28 @@ def test_shared_loss_and_gradient_equal_repeated(tmp_path, tiny_model_dir, train
     assert_float64_equal(grad, repeated_grad)
 
 
+def test_a_moe_model_without_its_router_loss_shares_exactly(tmp_path, tiny_moe_dir, train_dataset, exact_logprobs):
+    """A MoE layer routes each token by its own hidden state, so a shared prefix token is routed as its repeated
+    copies are. With the router loss off (``router_aux_loss_coef=0``) sharing is on, and DPPO's loss and gradient
+    equal repeated rows'; with the released configs' router loss on, sharing is off."""
+    assert not make_trainer(tmp_path / "router-loss", tiny_moe_dir, train_dataset, "dapo", 0.0, 1)._prefix_sharing
+    trainer = make_trainer(tmp_path, tiny_moe_dir, train_dataset, "dapo", 0.0, 1, float64=True,
+                           router_aux_loss_coef=0.0,
+                           model_init_kwargs={"dtype": torch.float64, "experts_implementation": "eager"})
+    assert trainer._prefix_sharing and not trainer.aux_loss_enabled
+    batch = grouped(synthetic_batch(trainer), prompts_of_rows=(0, 0, 2, 2, 4, 4))
+    mask = torch.tensor(KEEPS["mixed"])
+    weights = torch.where(mask, torch.tensor([1.5, 2.0, 1.1, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS)).double()
+    results = {}
+    for sharing in (True, False):
+        trainer._prefix_sharing = sharing
+        results[sharing] = dppo_loss_and_grad(trainer, batch, mask, weights)
+    (loss, grad), (repeated_loss, repeated_grad) = results[True], results[False]
+    assert repeated_grad.abs().sum() > 0
+    assert_float64_equal(loss, repeated_loss)
+    assert_float64_equal(grad, repeated_grad)
+
+
 # ------------------------------------------------------------------ where it is on, and the tokens saved
 def test_on_by_default_where_exact_and_off_where_not(tmp_path, tiny_model_dir, train_dataset, caplog):
     import varlen_reference

@@ -1,7 +1,7 @@
-"""Float64 stand-ins for the three places where a forward or backward pass computes in float32 whatever the model's
-dtype: TRL's fused log-prob kernel, Qwen2's RMSNorm and Qwen2's eager attention softmax. With them replaced
-(``use_float64_kernels``), a float64 model trains in float64 end to end, so exact oracles compare to float64
-rounding."""
+"""Float64 stand-ins for the places where a forward or backward pass computes in float32 whatever the model's dtype:
+TRL's fused log-prob kernel, the RMSNorms of Qwen2 and Qwen3-MoE, Qwen2's eager attention softmax and Qwen3-MoE's
+router softmax. With them replaced (``use_float64_kernels``), a float64 model trains in float64 end to end, so
+exact oracles compare to float64 rounding."""
 
 import torch
 
@@ -39,14 +39,26 @@ def eager_attention_in_input_dtype(module, query, key, value, attention_mask, sc
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+def moe_router_in_input_dtype(self, hidden_states):
+    """Qwen3-MoE's top-k router with its softmax in the inputs' dtype (transformers' takes it in float32)."""
+    router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    top_value, indices = torch.topk(router_logits.softmax(-1), self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return router_logits, top_value, indices
+
+
 def use_float64_kernels(set_attribute=setattr) -> None:
-    """Replace TRL's fused log-prob kernel by ``Float64LogProbs``, Qwen2's RMSNorm forward by
-    ``rms_norm_in_input_dtype`` and its eager attention by ``eager_attention_in_input_dtype``, through
-    ``set_attribute`` (``setattr`` for good, as in a worker process, or pytest's ``monkeypatch.setattr``, undone
-    after the test)."""
+    """Replace TRL's fused log-prob kernel by ``Float64LogProbs``, the RMSNorm forwards of Qwen2 and Qwen3-MoE by
+    ``rms_norm_in_input_dtype``, Qwen2's eager attention by ``eager_attention_in_input_dtype`` and Qwen3-MoE's
+    router by ``moe_router_in_input_dtype``, through ``set_attribute`` (``setattr`` for good, as in a worker
+    process, or pytest's ``monkeypatch.setattr``, undone after the test)."""
     import trl.trainer.utils
     from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     set_attribute(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
     set_attribute(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_in_input_dtype)
     set_attribute(modeling_qwen2, "eager_attention_forward", eager_attention_in_input_dtype)
+    set_attribute(modeling_qwen3_moe.Qwen3MoeRMSNorm, "forward", rms_norm_in_input_dtype)
+    set_attribute(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", moe_router_in_input_dtype)
