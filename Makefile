@@ -127,11 +127,14 @@ bench-prefix: $(STAMP) $(VLLM_STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm $(PREFIX_RUN) \
 		--json benchmarks/results/bench_real_prefix_vllm.json
 
-# Learning per step: seeds two side by side, one thread each, records kept per seed (benchmarks/learning.sh:
-# GRPO, DPPO, DPPO + prompt pruning with each prompt score), then the summary with the projection; GSPO over 3 seeds.
+# Learning per step: seeds side by side, one thread each, records kept per seed (benchmarks/learning.sh:
+# GRPO, DPPO, DPPO + prompt pruning with each prompt score), then the summary with the projection; with vLLM
+# generating (GRPO, DPPO, DPPO + prompt pruning, one seed at a time); GSPO over 3 seeds.
 LEARNING_SEEDS ?= 0 1 2 3 4 5
-bench-real-learning: $(STAMP) smollm2
+bench-real-learning: $(STAMP) $(VLLM_STAMP) smollm2
 	bash benchmarks/learning.sh $(LEARNING_SEEDS)
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
+	ENGINE=vllm bash benchmarks/learning.sh $(LEARNING_SEEDS)
 	VARIANT=gspo METHODS="grpo dppo" bash benchmarks/learning.sh 0 1 2
 
 # The same with vLLM generating (colocated, in the vLLM lane's venv): GRPO vs DPPO vs DPPO + prompt pruning.
