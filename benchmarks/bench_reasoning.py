@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from harness import (  # noqa: E402
     PHASES,
+    TARGET_COLUMNS,
     Panel,
     cost_figures,
     countdown_setup,
@@ -42,7 +43,6 @@ from harness import (  # noqa: E402
     run_methods,
     runs_path,
     summarize,
-    TARGET_COLUMNS,
     target_figures,
     text_table,
     time_to_target_ratio,

@@ -34,6 +34,7 @@ from .figures import (
     trailing_mean,
 )
 from .report import (
+    TARGET_COLUMNS,
     Panel,
     md_table,
     phase_shares,
@@ -45,7 +46,6 @@ from .report import (
     result_path,
     reward_panels,
     runs_path,
-    TARGET_COLUMNS,
     text_table,
     without_per_seed,
     write_json,
