@@ -463,7 +463,7 @@ def learning_table(results: dict) -> str:
                          _reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"),
                          _reached(r, "time_to_90_ratio"), _reached(r, "heldout_time_to_90_ratio"),
                          "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
-                         "yes" if r["heldout_non_inferior"] else "no"])
+                         "-" if ci is None else "yes" if r["heldout_non_inferior"] else "no"])
     return md_table(header, body)
 
 
