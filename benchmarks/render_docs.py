@@ -446,25 +446,33 @@ def learning_records(results: dict) -> list[tuple[str, dict]]:
     return [(engine, results[name]) for name, engine in LEARNING_RUNS if name in results]
 
 
+TARGET_HEADER = ["steps to target: training reward", "steps: held-out score", "time to target: training reward",
+                 "time: held-out score", "held-out minus GRPO's, 95% CI", "non-inferior (CI above -0.05)"]
+
+
+def target_cells(r: dict) -> list[str]:
+    """A summary row's 90%-of-rise figures (``harness.target_figures``), in ``TARGET_HEADER``'s order."""
+    ci = r["heldout_final_diff_ci"]
+    return [_reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"), _reached(r, "time_to_90_ratio"),
+            _reached(r, "heldout_time_to_90_ratio"),
+            "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+            "-" if ci is None else "yes" if r["heldout_non_inferior"] else "no"]
+
+
 def learning_table(results: dict) -> str:
     """bench_real*_learning.json, per engine and method: the steps and the time to 90% of GRPO's rise as ratios to
     GRPO's (mean ± SE over the seeds that reached it), and the final held-out score's paired difference with its
     95% interval."""
-    header = ["generating with", "method", "seeds", "steps to target: training reward", "steps: held-out score",
-              "time to target: training reward", "time: held-out score", "held-out minus GRPO's, 95% CI",
-              "non-inferior (CI above -0.05)"]
-    body = []
-    for engine, data in learning_records(results):
-        for r in data["results"]:
-            if r["method"] == "grpo":
-                continue
-            ci = r["heldout_final_diff_ci"]
-            body.append([engine, REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
-                         _reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"),
-                         _reached(r, "time_to_90_ratio"), _reached(r, "heldout_time_to_90_ratio"),
-                         "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
-                         "-" if ci is None else "yes" if r["heldout_non_inferior"] else "no"])
-    return md_table(header, body)
+    body = [[engine, REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])), *target_cells(r)]
+            for engine, data in learning_records(results) for r in data["results"] if r["method"] != "grpo"]
+    return md_table(["generating with", "method", "seeds", *TARGET_HEADER], body)
+
+
+def reasoning_targets_table(data: dict) -> str:
+    """bench_reasoning*.json with the 90%-of-rise figures: per method, as ``learning_table``'s."""
+    body = [[REAL_LABELS.get(r["method"], r["method"]), str(r["seeds"]), *target_cells(r)]
+            for r in data["results"] if r["method"] != "grpo"]
+    return md_table(["method", "seeds", *TARGET_HEADER], body)
 
 
 # The paired per-phase records, each a loss (or GSPO), an engine and when: bench-prefix's runs have prefix
@@ -685,6 +693,7 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_real": ("bench_real", real_table),
     "bench_real_vllm": ("bench_real_vllm", real_table),
     "bench_real_learning": (ALL_RESULTS, learning_table),
+    "bench_reasoning_targets": ("bench_reasoning_targets", reasoning_targets_table),
     "headline_speed": (ALL_RESULTS, headline_speed_table),
     "bench_real_projection": (ALL_RESULTS, projection_table),
     "bench_real_prompt_pruning": ("bench_real_learning", prompt_pruning_table),
