@@ -754,9 +754,9 @@ def _design(name):
     return lambda R: f"`{run_design(name, R[name])}`"
 
 
-def learning_seeds(results: dict, method: str) -> str:
-    """How many seeds bench_real_learning.json summarizes for ``method``."""
-    return str(len(rows("bench_real_learning", results["bench_real_learning"])[method]["seeds"]))
+def learning_seeds(results: dict, method: str, name: str = "bench_real_learning") -> str:
+    """How many seeds a learning summary (``name``, bench_real_learning.json by default) holds for ``method``."""
+    return str(len(rows(name, results[name])[method]["seeds"]))
 
 
 def revisit_share(results: dict, method: str, state: str) -> str:
