@@ -438,12 +438,15 @@ def _reached(r, key):
     return f"{mean:.2f} ({reached})" if reached.startswith("1/") else f"{mean:.2f} ± {se:.2f} ({reached})"
 
 
-LEARNING_RUNS = (("bench_real_learning", "transformers"), ("bench_real_vllm_learning", "vLLM, colocated"))
+# The learning summaries: TRL's default loss with each engine generating, then GSPO (transformers generating).
+LEARNING_RUNS = (("bench_real_learning", "transformers"), ("bench_real_vllm_learning", "vLLM, colocated"),
+                 ("bench_real_gspo_learning", "transformers, GSPO"))
+DEFAULT_LOSS_RUNS = 2  # the first two: the README's headline
 
 
-def learning_records(results: dict) -> list[tuple[str, dict]]:
-    """(engine, summary) of each learning summary recorded (bench_real*_learning.json), transformers first."""
-    return [(engine, results[name]) for name, engine in LEARNING_RUNS if name in results]
+def learning_records(results: dict, runs=LEARNING_RUNS) -> list[tuple[str, dict]]:
+    """(run, summary) of each learning summary of ``runs`` recorded (bench_real*_learning.json), in their order."""
+    return [(run, results[name]) for name, run in runs if name in results]
 
 
 TARGET_HEADER = ["steps to target: training reward", "steps: held-out score", "time to target: training reward",
@@ -465,7 +468,7 @@ def learning_table(results: dict) -> str:
     95% interval."""
     body = [[engine, REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])), *target_cells(r)]
             for engine, data in learning_records(results) for r in data["results"] if r["method"] != "grpo"]
-    return md_table(["generating with", "method", "seeds", *TARGET_HEADER], body)
+    return md_table(["run", "method", "seeds", *TARGET_HEADER], body)
 
 
 def reasoning_targets_table(data: dict) -> str:
@@ -575,7 +578,7 @@ def headline_speed_table(results: dict) -> str:
     (bench_real*_learning.json): learning per step (steps to 90% of GRPO's rise), the final held-out score's paired
     difference, and the product with the training time per step (paired runs) at a GPU-like generation share."""
     header, body = None, []
-    for engine, data in learning_records(results):
+    for engine, data in learning_records(results, LEARNING_RUNS[:DEFAULT_LOSS_RUNS]):
         share = data["projection_sources"]["typical_gpu_generation_share"]
         at = {p["method"]: p for p in data["projection"] if abs(p["generation_share"] - share) < 1e-9}
         header = ["generating with", "method", "seeds", "steps to target: reward", "steps: held-out",

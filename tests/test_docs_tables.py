@@ -99,7 +99,7 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
     results = {"bench_real_learning": {"results": [grpo, _target_row("dppo"), once]},
                "bench_real_vllm_learning": {"results": [grpo, vllm]}}
     table = render_docs.learning_table(results).splitlines()
-    assert len(table) == 5  # GRPO's own rows (all 1) are left out; transformers first
+    assert len(table) == 5 and table[0].startswith("| run |")  # GRPO's own rows (all 1) are left out
     assert table[2] == ("| transformers | DPPO (keep 0.5) | 3 | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | "
                         "0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | +0.010 [-0.040, +0.060] | yes |")
     assert table[3].startswith("| transformers | DPPO + prompt pruning (0.5, ema score) | 3 | - (0/3) | 0.80 (1/3) |")
