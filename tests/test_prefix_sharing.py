@@ -190,6 +190,22 @@ KEEPS = {
 }
 
 
+def assert_shared_loss_and_gradient_equal_repeated(trainer, keep):
+    """DPPO's loss and gradient of one synthetic generation batch (the trainer's groups of 2 rows) with the rows of
+    ``keep`` kept, through its own split, with and without sharing: equal in float64."""
+    batch = grouped(synthetic_batch(trainer), prompts_of_rows=(0, 0, 2, 2, 4, 4))
+    mask = torch.tensor(keep)
+    weights = torch.where(mask, torch.tensor([1.5, 2.0, 1.1, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS)).double()
+    results = {}
+    for sharing in (True, False):
+        trainer._prefix_sharing = sharing
+        results[sharing] = dppo_loss_and_grad(trainer, batch, mask, weights)
+    (loss, grad), (repeated_loss, repeated_grad) = results[True], results[False]
+    assert repeated_grad.abs().sum() > 0
+    assert_float64_equal(loss, repeated_loss)
+    assert_float64_equal(grad, repeated_grad)
+
+
 @pytest.mark.parametrize(
     "loss_type, beta, spg",
     [slow_unless(loss_type in FAST_LOSS_TYPES, loss_type, beta, spg)
@@ -202,17 +218,7 @@ def test_shared_loss_and_gradient_equal_repeated(tmp_path, tiny_model_dir, train
     micro-batches differ (sharing places a group's rows together) and the result does not."""
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, beta, spg, float64=True,
                            model_init_kwargs={"dtype": torch.float64})
-    batch = grouped(synthetic_batch(trainer), prompts_of_rows=(0, 0, 2, 2, 4, 4))  # the trainer's groups of 2
-    mask = torch.tensor(KEEPS[keep])
-    weights = torch.where(mask, torch.tensor([1.5, 2.0, 1.1, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS)).double()
-    results = {}
-    for sharing in (True, False):
-        trainer._prefix_sharing = sharing
-        results[sharing] = dppo_loss_and_grad(trainer, batch, mask, weights)
-    (loss, grad), (repeated_loss, repeated_grad) = results[True], results[False]
-    assert repeated_grad.abs().sum() > 0
-    assert_float64_equal(loss, repeated_loss)
-    assert_float64_equal(grad, repeated_grad)
+    assert_shared_loss_and_gradient_equal_repeated(trainer, KEEPS[keep])
 
 
 def test_a_moe_model_without_its_router_loss_shares_exactly(tmp_path, tiny_moe_dir, train_dataset, exact_logprobs):
@@ -224,17 +230,7 @@ def test_a_moe_model_without_its_router_loss_shares_exactly(tmp_path, tiny_moe_d
                            router_aux_loss_coef=0.0,
                            model_init_kwargs={"dtype": torch.float64, "experts_implementation": "eager"})
     assert trainer._prefix_sharing and not trainer.aux_loss_enabled
-    batch = grouped(synthetic_batch(trainer), prompts_of_rows=(0, 0, 2, 2, 4, 4))
-    mask = torch.tensor(KEEPS["mixed"])
-    weights = torch.where(mask, torch.tensor([1.5, 2.0, 1.1, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS)).double()
-    results = {}
-    for sharing in (True, False):
-        trainer._prefix_sharing = sharing
-        results[sharing] = dppo_loss_and_grad(trainer, batch, mask, weights)
-    (loss, grad), (repeated_loss, repeated_grad) = results[True], results[False]
-    assert repeated_grad.abs().sum() > 0
-    assert_float64_equal(loss, repeated_loss)
-    assert_float64_equal(grad, repeated_grad)
+    assert_shared_loss_and_gradient_equal_repeated(trainer, KEEPS["mixed"])
 
 
 # ------------------------------------------------------------------ where it is on, and the tokens saved
