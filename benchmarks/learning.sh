@@ -23,7 +23,9 @@ case "$ENGINE" in
     vllm)
         PY=${PYTHON:-.venv-vllm/bin/python}
         METHODS=${METHODS:-grpo dppo dppo+calibrated}  # the ema score's 6 transformers seeds settled it
-        # A colocated engine's run holds about 10 GiB: two do not fit in 24 GiB beside anything else.
+        # A colocated engine's run holds 10-12 GiB: two do not fit in 24 GiB. One run with glibc's large blocks
+        # returned at free (MALLOC_MMAP_THRESHOLD_=131072) holds 5-10 GiB and fits beside one without, at 1.6x
+        # the time per step (2026-12-05, seeds 2-5).
         PARALLEL=${PARALLEL:-1} engine_flag=(--vllm) engine_tag=_vllm ;;
     *) echo "ENGINE must be transformers or vllm, not '$ENGINE'" >&2; exit 2 ;;
 esac
