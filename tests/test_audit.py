@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.marks import FAST_LOSS_TYPES, slow_unless
 from support.recording import recording
+from support.rewards import coarse_reward
 from support.training import StopAt, build, train, train_with_gradients
 from trl import GRPOConfig, GRPOTrainer
 
@@ -313,6 +314,24 @@ def test_with_every_row_kept_the_audit_reads_float_rounding_under_lora_dropout(t
         assert comparison["rel_error"] < 1e-5 and comparison["cosine"] > 1 - 1e-9, comparison
     assert trainer._audit_records()["projection"] == []  # every audit exact: nothing for the bias statistic
     assert not any("dppo/audit_bias_t" in h for h in trainer.state.log_history)
+
+
+def test_under_the_entropy_filter_a_batch_with_rows_dropped_is_compared_and_counted(tmp_path, tiny_model_dir,
+                                                                                    train_dataset):
+    """The filter's quantile takes every row's tokens, so a batch that drops only zero-advantage rows
+    (``keep_floor=1``) is not classed exact: it is compared, and its projection enters the bias statistic (it
+    stayed out before, and ``dppo/audit_bias_t`` was never logged). The filter being exact, it reads float
+    rounding."""
+    trainer, _ = run(AuditRecorder, DPPOConfig, tmp_path, tiny_model_dir, train_dataset, reward=coarse_reward,
+                     max_steps=8, audit_every=1, completion_keep_rate=0.5, keep_floor=1.0, top_entropy_quantile=0.5,
+                     steps_per_generation=1, gradient_accumulation_steps=1)
+    kept = [h["dppo/kept_fraction"] for h in trainer.state.log_history if "dppo/kept_fraction" in h]
+    records = trainer._audit_records()
+    dropped = sum(0.0 < k < 1.0 for k in kept)  # a batch that keeps nothing has no signal: nothing to compare
+    assert dropped >= 2 and len(records["projection"]) == dropped, kept
+    assert any("dppo/audit_bias_t" in h for h in trainer.state.log_history)
+    for dppo, grpo in trainer.audits:
+        assert compare_gradients(dppo, grpo)["rel_error"] < 1e-5
 
 
 def equal_partial_credit(completions, **kwargs):

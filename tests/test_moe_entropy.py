@@ -123,6 +123,27 @@ def test_entropy_bonus_keeps_the_estimator_unbiased(
     assert_exact(grad, full_grad)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo"])
+@pytest.mark.parametrize("bonus", [0.0, 0.05])
+def test_the_entropy_filter_keeps_the_estimator_unbiased(
+    tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type, bonus
+):
+    """Every Poisson mask enumerated, in float64, spg 3: with the entropy filter on (and with the entropy bonus over
+    the tokens it keeps), the expected loss and gradient equal the full batch's. The filter's quantile is taken
+    over every row of TRL's micro-batch, the rows not kept forwarded without gradient, so it does not depend on
+    the draw; taken over the kept rows alone the expectation was off."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, 0.0, 3, float64=True,
+                           top_entropy_quantile=0.5, entropy_coef=bonus)
+    batch = as_float64(synthetic_batch(trainer))
+    every_row = torch.ones(N_ROWS, dtype=torch.bool)
+    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, every_row, torch.ones(N_ROWS))
+    pi, _ = keep_probabilities(batch["advantages"], 0.5, 0.1, zero_score_contributes=bonus > 0)
+    assert bool((pi < 1).any())
+    loss, grad = expectation(trainer, batch, poisson_outcomes(pi))
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
+
+
 @pytest.mark.parametrize("made", ["bare", "mock"])
 def test_entropy_mask_outside_a_loss_computation_is_trls(made):
     """TRL's own unit tests call ``get_high_entropy_mask`` on a trainer built without ``__init__`` and on a

@@ -52,6 +52,24 @@ def with_fillers(microbatch: dict, filler: dict, size: int) -> dict:
             for k, v in microbatch.items()}
 
 
+# The entries a forward pass of a row needs (and TRL's loss mask): what the rows that were not kept carry into a
+# micro-batch under the entropy filter (``unkept_rows_of_microbatch``).
+TOKEN_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask")
+
+
+def unkept_rows_of_microbatch(rows: dict, keep: torch.Tensor, microbatch: torch.Tensor, index: int) -> dict:
+    """The token entries (``TOKEN_KEYS``) of the rows of micro-batch ``index`` that were not kept.
+
+    Args:
+        rows: a TRL batch dict of ``B`` rows.
+        keep: (B,) bool, the kept rows.
+        microbatch: (B,) long, each row's micro-batch (``trl_microbatch_of_rows``; -1 for none).
+        index: the micro-batch.
+    """
+    members = (~keep.cpu() & (microbatch.cpu() == index)).nonzero().flatten()
+    return select_rows({key: rows[key] for key in TOKEN_KEYS if key in rows}, members)
+
+
 def pad_to_width(batch: dict, key: str, prompt_width: int, completion_width: int, pad_id: int,
                  per_sequence_ratio: bool) -> torch.Tensor:
     """``batch[key]`` padded to common widths, so the rows of several ranks can travel in one gather:

@@ -59,25 +59,3 @@ def mean_of_rank_means(stats: torch.Tensor) -> float | None:
     if not bool(counted.any()):
         return None
     return float((stats[counted, 0] / stats[counted, 1]).mean())
-
-
-def weighted_quantile(values: torch.Tensor, weights: torch.Tensor, q: float) -> torch.Tensor:
-    """The ``q``-quantile of ``values``, value ``i`` standing for ``weights[i]`` tokens: ``torch.quantile``'s
-    linear rule on the sample in which each value is repeated ``w_i`` times (a value standing for less than one
-    token is one point between its neighbours), the weights scaled to mean 1 first, so the result does not depend
-    on their scale and equal weights give ``torch.quantile`` itself. With Horvitz-Thompson weights, a consistent
-    estimate of the quantile over every token of the batch the kept rows were drawn from."""
-    order = torch.argsort(values)
-    v, w = values[order].double(), weights[order].double()
-    w = w * (w.numel() / w.sum())
-    end = torch.cumsum(w, 0) - 1  # repeated sample: value i fills indices end_{i-1} + 1 .. end_i
-    start = end - w + 1
-    plateau = w >= 1  # a value standing for less than one token is one point, between its neighbours
-    center = start + (w - 1) / 2
-    knots = torch.stack([torch.where(plateau, start, center), torch.where(plateau, end, center)], 1).flatten()
-    heights = v.repeat_interleave(2)
-    target = torch.tensor(float(q) * (float(w.sum()) - 1), dtype=torch.float64).clamp(knots[0], knots[-1])
-    upper = int(torch.searchsorted(knots, target, right=True).clamp(1, knots.numel() - 1))
-    lo, hi = knots[upper - 1], knots[upper]
-    frac = ((target - lo) / (hi - lo)).clamp(0.0, 1.0) if float(hi - lo) > 0 else torch.tensor(0.0).double()
-    return heights[upper - 1] + frac * (heights[upper] - heights[upper - 1])

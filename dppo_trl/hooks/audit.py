@@ -106,13 +106,15 @@ class GradientAudit:
         """``_NO_SIGNAL`` when every row's pruning score is exactly 0 (the trainer's ``_global_scores``: zero-spread
         groups score 0 whatever TRL's float32 A, e.g. 6e-4 for equal rewards of 0.7) and no per-row term without
         A is on (``beta == 0``, no entropy bonus); ``_EXACT`` when every row that counts (score != 0, or every row
-        with a loss token when such a term is on) is kept at weight 1 on every rank; else ``_PRUNED``."""
+        with a loss token when such a term is on or the entropy filter's quantile takes every row's tokens) is kept
+        at weight 1 on every rank; else ``_PRUNED``: compared and counted in the bias statistic."""
         scores = self._global_scores(rows["advantages"], batch)
         without_a = self.beta != 0.0 or bool(getattr(self, "_entropy_bonus_enabled", False))
         if not without_a and bool((scores == 0).all()):
             return _NO_SIGNAL
         local = scores[self._local(rows["advantages"].size(0))].to(rows["dppo_keep"].device)
-        counts = loss_mask(rows).sum(1) > 0 if without_a else local != 0
+        every_row_counts = without_a or self.top_entropy_quantile < 1.0
+        counts = loss_mask(rows).sum(1) > 0 if every_row_counts else local != 0
         missed = counts & ~(rows["dppo_keep"] & (rows["dppo_weight"] == 1))
         missed = self.accelerator.reduce(missed.sum().reshape(1).to(self.accelerator.device), reduction="sum")
         return _EXACT if int(missed) == 0 else _PRUNED

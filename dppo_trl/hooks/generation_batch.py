@@ -11,6 +11,10 @@ import torch
 # The key under which ``_generate_and_score_completions`` hands the batch to ``_prepare_inputs`` (popped there).
 BATCH_KEY = "dppo_generation_batch"
 
+# The key under which a micro-batch carries the tokens of its TRL micro-batch's rows that were not kept (the entropy
+# filter's quantile is over them too): popped by ``_compute_loss``.
+UNKEPT_ROWS_KEY = "dppo_unkept_rows"
+
 
 @dataclasses.dataclass
 class AuditReference:

@@ -27,6 +27,7 @@ from ..core.batch import (
     pad_to_width,
     select_rows,
     trl_microbatch_of_rows,
+    unkept_rows_of_microbatch,
     with_fillers,
 )
 from ..core.packing import (
@@ -41,7 +42,7 @@ from ..core.packing import (
     rank_imbalance,
     varlen_kwargs,
 )
-from .generation_batch import GenerationBatch
+from .generation_batch import UNKEPT_ROWS_KEY, GenerationBatch
 
 class RowPlacement:
     """Mixed into ``DPPOTrainer``."""
@@ -248,7 +249,9 @@ class RowPlacement:
         (``microbatch_plan``: by tokens with packing, at most ``per_device_train_batch_size`` rows each where the
         rows allow, or evenly by rows; a fair share of every rank's rows in each optimizer step; or TRL's own
         split, ``_microbatches_follow_trl_split``), with the same row count on every rank in each micro-step; a
-        slot with no kept row fills up with zero-weight filler rows of one token."""
+        slot with no kept row fills up with zero-weight filler rows of one token. Under the entropy filter with
+        completion pruning, each micro-batch also carries the tokens of the rows of TRL's micro-batch that were not
+        kept (``UNKEPT_ROWS_KEY``): the filter's quantile is taken over them too, as TRL takes it."""
         keep, trl_microbatch = rows.pop("dppo_keep"), rows.pop("dppo_trl_microbatch")
         rows.pop("dppo_origin_rank")
         row_index = rows.pop("dppo_row").tolist()
@@ -274,6 +277,9 @@ class RowPlacement:
             with_fillers(select_rows(rows, torch.tensor(members, dtype=torch.long)), filler, size)
             for members, size in zip(bins, sizes)
         ]
+        if self._microbatches_follow_trl_split and self.args.completion_pruning:
+            for j, microbatch in enumerate(microbatches):
+                microbatch[UNKEPT_ROWS_KEY] = unkept_rows_of_microbatch(rows, keep, trl_microbatch, j)
         self._log_microbatch_metrics(rows, lengths, bins, sizes, row_index, batch)
         return microbatches
 

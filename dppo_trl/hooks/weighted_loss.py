@@ -1,6 +1,7 @@
 """DPPO's loss of a kept, weighted micro-batch: TRL's policy loss with each row's advantage scaled by its weight and
 rescaled to the full-batch normalizer, with TRL's batch-normalized terms (KL, entropy bonus, MoE router loss)
-switched off around it (``_trl_batch_terms_off``) and added back weighted; the entropy filter's quantile weighted.
+switched off around it (``_trl_batch_terms_off``) and added back weighted; the entropy filter's quantile over every row
+of TRL's micro-batch, the rows that were not kept forwarded without gradient (``_unkept_entropies``).
 The math is in ``dppo_trl.core.estimator`` (the loss-type table, the normalizers) and ``dppo_trl.core.metrics``.
 
 Reads of the host trainer: ``args``, ``accelerator``, ``loss_type``, ``max_completion_length``,
@@ -14,8 +15,9 @@ import contextlib
 import dataclasses
 
 import torch
+from trl.extras.profiling import profiling_decorator
 
-from ..core.batch import loss_mask
+from ..core.batch import TOKEN_KEYS, filler_row, loss_mask
 from ..core.estimator import (
     full_batch_normalizer,
     loss_token_normalizer,
@@ -23,21 +25,40 @@ from ..core.estimator import (
     trl_microbatch_normalizer,
     trl_microbatch_token_scale,
 )
-from ..core.metrics import weighted_quantile
 from ..core.trl_formulas import adaptive_entropy_coef, k3_kl, sequence_log_ratio
 
 
 @dataclasses.dataclass
 class LossPass:
     """One call of TRL's loss inside DPPO's: what TRL's terms were before they were switched off, the rows'
-    weights (the entropy filter's quantile), the forward's outputs as TRL computed them, the entropy mask."""
+    weights, the entropies and loss mask of the rows of TRL's micro-batch that were not kept (``unkept``, None when
+    there are none to take), the forward's outputs as TRL computed them, and the entropy filter's mask of the kept
+    rows with the count of the tokens it keeps in the rows that were not kept."""
 
     row_weights: torch.Tensor
     beta: float
     entropy_bonus: bool
     aux_loss: bool
+    unkept: tuple[torch.Tensor, torch.Tensor] | None = None
     captured: list = dataclasses.field(default_factory=list)  # (logps, entropies, aux_loss) of the loss forward
     entropy_mask: torch.Tensor | None = None
+    unkept_filtered_tokens: float = 0.0
+
+    def with_unkept(self, entropies: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(entropies, mask)`` of the kept rows (B, T), followed by those of the rows that were not kept."""
+        if self.unkept is None:
+            return entropies, mask
+        unkept_entropies, unkept_mask = self.unkept
+        return (torch.cat([entropies, unkept_entropies.to(entropies.dtype)]),
+                torch.cat([mask, unkept_mask.to(mask.dtype)]))
+
+    def record_entropy_mask(self, every_mask: torch.Tensor) -> torch.Tensor:
+        """Keep the kept rows' part of the filter's mask over ``with_unkept``'s rows (returned) and count the tokens
+        it keeps in the others."""
+        kept_rows = self.row_weights.size(0)
+        self.entropy_mask = every_mask[:kept_rows]
+        self.unkept_filtered_tokens = float(every_mask[kept_rows:].sum())
+        return self.entropy_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +78,14 @@ class WeightedLoss:
     """Mixed into ``DPPOTrainer``."""
 
     @contextlib.contextmanager
-    def _trl_batch_terms_off(self, row_weights: torch.Tensor):
+    def _trl_batch_terms_off(self, row_weights: torch.Tensor, unkept=None):
         """Around ``GRPOTrainer._compute_loss`` on a kept micro-batch: TRL normalizes its KL (``beta``), entropy
         bonus and MoE router loss per micro-batch, which pruning would bias, so they are off inside (``beta`` 0,
         the bonus and the router loss disabled) and DPPO adds weighted ones after. Yields the ``LossPass`` that
         the forward inside fills (``_get_per_token_logps_and_entropies``, ``get_high_entropy_mask``); restores
-        TRL's settings on exit, also on an exception."""
+        TRL's settings on exit, also on an exception. ``unkept``: ``_unkept_entropies``'s result."""
         saved = (self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled)
-        loss_pass = LossPass(row_weights, beta=saved[0], entropy_bonus=saved[1], aux_loss=saved[2])
+        loss_pass = LossPass(row_weights, beta=saved[0], entropy_bonus=saved[1], aux_loss=saved[2], unkept=unkept)
         self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = 0.0, False, False
         self._loss_pass = loss_pass
         try:
@@ -72,6 +93,25 @@ class WeightedLoss:
         finally:
             self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = saved
             self._loss_pass = None
+
+    @profiling_decorator
+    @torch.no_grad()
+    def _unkept_entropies(self, model, unkept: dict | None, inputs: dict):
+        """``(entropies, loss mask)`` (P, T) of the rows of this micro-batch's TRL micro-batch that were not kept
+        (``unkept``, from ``_kept_microbatches`` under the entropy filter with completion pruning), forwarded without
+        gradient; None when there is nothing to take. A rank with no such row forwards a one-token filler row of
+        ``inputs`` (no loss token), so every rank makes the same forward calls (ZeRO-3, FSDP)."""
+        if unkept is None:
+            return None
+        if unkept["prompt_ids"].size(0) == 0:
+            filler = filler_row(inputs)
+            unkept = {key: filler[key] for key in TOKEN_KEYS if key in filler}
+        input_ids = torch.cat([unkept["prompt_ids"], unkept["completion_ids"]], dim=1)
+        attention_mask = torch.cat([unkept["prompt_mask"], unkept["completion_mask"]], dim=1)
+        _, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, unkept["completion_ids"].size(1), compute_entropy=True
+        )
+        return entropies, loss_mask(unkept)
 
     def _loss_scales(self, inputs: dict, weight: torch.Tensor) -> LossScales:
         norm_args = dict(
@@ -168,8 +208,8 @@ class WeightedLoss:
         """TRL's entropy bonus ``coef x`` token-mean entropy over the tokens it acts on, in TRL's micro-batches, as
         a Horvitz-Thompson sum over the kept rows: each row's tokens over the loss tokens of the row's micro-batch
         in TRL's split (``1 / per_row_normalizer``, counted before the keep draw, so unbiased); under the entropy
-        filter (where micro-batches are TRL's split) over the weighted count of this micro-batch's filtered tokens,
-        TRL's count when every row is kept (a ratio estimate under pruning). The adaptive controller (TRL's rule
+        filter (where micro-batches are TRL's split) over TRL's count of its micro-batch's filtered tokens, the
+        rows that were not kept included (``LossPass.unkept_filtered_tokens``). The adaptive controller (TRL's rule
         and state) measures the weighted window entropy."""
         entropy_mask = loss_pass.entropy_mask
         effective = mask if entropy_mask is None else mask * entropy_mask
@@ -177,7 +217,7 @@ class WeightedLoss:
         if entropy_mask is None:
             normalized = weighted * per_row_normalizer.to(entropies.dtype).unsqueeze(1)
         else:
-            count = max(float(weighted.detach().sum()), 1.0)  # TRL clamps its count at 1 too
+            count = max(float(effective.detach().sum()) + loss_pass.unkept_filtered_tokens, 1.0)  # clamped as TRL
             normalized = weighted / (count * self.current_gradient_accumulation_steps)
         apply_coef = self.entropy_coef
         if self.use_adaptive_entropy:  # the coefficient of the previous step's end, for the whole window
@@ -200,19 +240,3 @@ class WeightedLoss:
             self.entropy_coef, world, a.entropy_target, a.entropy_coef_delta, a.entropy_coef_min, a.entropy_coef_max
         )
         self._last_world_entropy, self._entropy_window_stats = world, None
-
-    def _weighted_entropy_mask(self, entropies, mask, threshold, loss_pass: LossPass) -> torch.Tensor:
-        """The entropy filter's mask with the Horvitz-Thompson-weighted quantile of the kept tokens
-        (``metrics.weighted_quantile``, gathered over ranks), recorded in ``loss_pass``."""
-        real = mask.bool()
-        row_weights = loss_pass.row_weights.unsqueeze(1).expand_as(entropies)[real].float()
-        pairs = torch.stack([entropies[real].detach().float(), row_weights], 1)
-        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(pairs, dim=0, pad_index=-1.0))
-        gathered = gathered[gathered[:, 0] >= 0]  # entropies are >= 0: -1 marks padding across ranks
-        gathered = gathered[gathered[:, 1] > 0]
-        if gathered.numel() == 0:
-            loss_pass.entropy_mask = torch.zeros_like(real)
-        else:
-            cut = weighted_quantile(gathered[:, 0], gathered[:, 1], threshold).to(entropies.dtype)
-            loss_pass.entropy_mask = (entropies * mask >= cut) & real
-        return loss_pass.entropy_mask
