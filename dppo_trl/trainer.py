@@ -16,7 +16,8 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled to
   the full-batch normalizer; the KL term, the entropy bonus and the MoE router loss weighted the same way and
   added beside it; TRL's logged means become weighted ones (``hooks.weighted_loss``, ``hooks.weighted_metrics``).
-- ``get_high_entropy_mask``: the entropy filter's quantile, weighted.
+- ``get_high_entropy_mask``: TRL's entropy filter over the kept rows and, forwarded without gradient, the rows of
+  the same TRL micro-batch that were not kept: GRPO's quantile.
 - ``_calculate_rewards``: keeps the rewards in the batch (rows whose A is 0 in exact arithmetic score 0).
 - Prompt pruning (``hooks.prompt_pruning``): the sampler, the schedule that follows data progress.
 - The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch.
@@ -39,7 +40,7 @@ from .config import DPPOConfig, as_dppo_config, audit_sharding_refusal
 from .core.packing import is_varlen_attention
 from .hooks.audit import GradientAudit
 from .hooks.checkpoint import load_dppo_state, save_dppo_state
-from .hooks.generation_batch import BATCH_KEY, GenerationBatch
+from .hooks.generation_batch import BATCH_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 from .hooks.keep_decision import KeepDecision
 from .hooks.placement import RowPlacement
 from .hooks.prefix_sharing import PrefixSharing
@@ -126,7 +127,10 @@ class DPPOTrainer(
         training path when ``packing``, else TRL's own."""
         if self._scoring is not None:
             self._scoring.deferred_calls.append(model)
-            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
+            # What the pass will return: the model's dtype, at least float32 (TRL's log-prob kernel's).
+            dtype = torch.promote_types(getattr(self.accelerator.unwrap_model(model), "dtype", torch.float32),
+                                        torch.float32)
+            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device, dtype=dtype)
             return placeholder, None, None
         loss_pass = self._loss_pass
         if loss_pass is not None and loss_pass.aux_loss:
@@ -217,25 +221,27 @@ class DPPOTrainer(
             return super()._compute_loss(model, inputs)
         inputs = dict(inputs)
         weight = inputs.pop("dppo_weight")
+        unkept = self._unkept_entropies(model, inputs.pop(UNKEPT_ROWS_KEY, None), inputs)
         scales = self._loss_scales(inputs, weight)
         advantages = inputs["advantages"]
         inputs["advantages"] = self._weighted_advantages(advantages, scales.policy_weight)
-        with self._trl_batch_terms_off(weight) as loss_pass:
+        with self._trl_batch_terms_off(weight, unkept) as loss_pass:
             loss = super()._compute_loss(model, inputs)
         loss, logps, entropies, mask = self._with_weighted_terms(loss, inputs, weight, scales, loss_pass)
         self._log_weighted_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
         return loss
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
-        """TRL's entropy filter; while DPPO's loss runs on this trainer, the quantile is the Horvitz-Thompson-
-        weighted quantile of the kept tokens (``hooks.weighted_loss``). The micro-batch holds the kept rows of
-        TRL's own micro-batch (``_microbatches_follow_trl_split``), so with every row kept it is TRL's quantile,
-        and under pruning a consistent estimate of it. DPPO's state is read from the instance only: anything else
-        (TRL's own tests call this on a ``Mock(spec=GRPOTrainer)``) gets TRL's."""
+        """TRL's entropy filter. While DPPO's loss runs on this trainer, the micro-batch holds the kept rows of
+        TRL's own micro-batch (``_microbatches_follow_trl_split``) and the entropies of its rows that were not kept
+        (``LossPass.unkept``): TRL's filter runs over them all, so its quantile is GRPO's, computed as TRL computes
+        it, and the mask of the kept rows is recorded in the ``LossPass``. DPPO's state is read from the instance
+        only: anything else (TRL's own tests call this on a ``Mock(spec=GRPOTrainer)``) gets TRL's."""
         loss_pass = self.__dict__.get("_loss_pass")
         if loss_pass is None:
             return super().get_high_entropy_mask(entropies, mask, threshold)
-        return self._weighted_entropy_mask(entropies, mask, threshold, loss_pass)
+        every_entropy, every_mask = loss_pass.with_unkept(entropies, mask)
+        return loss_pass.record_entropy_mask(super().get_high_entropy_mask(every_entropy, every_mask, threshold))
 
     def _get_train_sampler(self, dataset=None):
         if not self.args.prompt_pruning:

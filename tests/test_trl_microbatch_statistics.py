@@ -80,3 +80,37 @@ def test_trl_split_of_rows_is_trls_shuffle_and_split():
         assert sorted(chunk["row"].tolist()) == (microbatch == j).nonzero().flatten().tolist()
         assert (counts[chunk["row"]] == float(chunk["tokens"].sum())).all()
     assert torch.equal(trl_microbatch_of_rows(torch.tensor([2, 0, 1]), 2), torch.tensor([1, -1, 0]))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+@pytest.mark.parametrize("ga", [2, 1])
+def test_under_the_entropy_filter_dropping_only_rows_without_signal_is_grpos(
+    tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type, ga
+):
+    """``keep_floor=1``: every row with a signal kept at weight 1, only zero-advantage rows dropped, so each step
+    must be GRPO's. TRL takes the filter's quantile over every loss token of its micro-batch, the dropped rows'
+    too: DPPO forwards them without gradient for it (a quantile taken without them was off by 4% here)."""
+    settings = dict(loss_type=loss_type, max_steps=3, gradient_accumulation_steps=ga, top_entropy_quantile=0.5)
+    _, grpo = optimizer_gradients(GRPOTrainer, GRPOConfig, tmp_path / "g", tiny_model_dir, train_dataset, **settings)
+    dppo, steps = optimizer_gradients(DPPOTrainer, DPPOConfig, tmp_path / "d", tiny_model_dir, train_dataset,
+                                      completion_keep_rate=0.5, keep_floor=1.0, **settings)
+    dropped = [h["dppo/kept_fraction"] for h in dppo.state.log_history if "dppo/kept_fraction" in h]
+    assert min(dropped) < 1.0  # rows were dropped
+    for g, d in zip(grpo, steps):
+        assert float(g.norm()) > 0
+        assert float((d - g).norm() / g.norm()) < 1e-6
+
+
+@pytest.mark.parametrize("option", [{}, dict(off_policy_mask_threshold=0.0)], ids=["plain", "off_policy_mask"])
+def test_deferred_log_probs_keep_the_models_dtype(tmp_path, tiny_model_dir, train_dataset, exact_logprobs, option):
+    """num_iterations 2 (TRL runs the old-policy pass), every row kept, float64: the deferred old log-probs are
+    stored in the model's dtype, so each step is GRPO's to float64 rounding (in float32 placeholders: 1.5e-7 off,
+    and the off-policy mask at threshold 0 decided on rounding)."""
+    settings = dict(max_steps=2, gradient_accumulation_steps=2, num_iterations=2, **option)
+    _, grpo = optimizer_gradients(GRPOTrainer, GRPOConfig, tmp_path / "g", tiny_model_dir, train_dataset, **settings)
+    dppo, steps = optimizer_gradients(DPPOTrainer, DPPOConfig, tmp_path / "d", tiny_model_dir, train_dataset,
+                                      completion_keep_rate=1.0, **settings)
+    assert len(steps) == len(grpo) == 2
+    for g, d in zip(grpo, steps):
+        assert float(g.norm()) > 0
+        assert float((d - g).norm() / g.norm()) < 1e-10
