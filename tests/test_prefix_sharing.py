@@ -1,4 +1,4 @@
-"""Prefix sharing (DESIGN.md section 7): a group's kept completions forward their prompt once in the packed passes.
+"""Prefix sharing (docs/packing.md): a group's kept completions forward their prompt once in the packed passes.
 
 The oracle: the same per-token log-probs, entropies, losses and gradients as repeated rows (``prefix_sharing=False``,
 today's packing), in float64 to 1e-10, for every loss type, beta 0 and > 0, LoRA, sdpa and eager, completions

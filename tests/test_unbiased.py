@@ -1,4 +1,4 @@
-"""Exact oracle (DESIGN.md section 6): over every Poisson mask, every systematic start point (random and
+"""Exact oracle (docs/estimator.md, section 6): over every Poisson mask, every systematic start point (random and
 stratified orders) and every outcome of the balanced design's cube walk, the expected
 DPPO loss and gradient equal the full-batch loss and gradient, for every TRL loss_type, beta 0 and > 0,
 with clipping active, gradient_accumulation_steps equal to and below steps_per_generation. The oracle runs in
