@@ -104,8 +104,10 @@ class DPPOTrainer(
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
-        model_config = self.accelerator.unwrap_model(self.model).config
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        model_config = unwrapped.config
         attention = getattr(model_config, "_attn_implementation", None) or ""
+        self._resolve_packing(unwrapped, model_config.get_text_config())
         self._varlen_attention = is_varlen_attention(attention)
         self._prefix_sharing = self._resolve_prefix_sharing(model_config.get_text_config(), attention)
         self.add_callback(DPPOSummaryCallback(self._audit_summary))

@@ -3,7 +3,8 @@ rows between ranks for an even token load, the deferred log-prob passes on the k
 (packed) forward, and the ``steps_per_generation`` micro-batches. The math is in ``dppo_trl.core.packing`` and
 ``dppo_trl.core.batch``.
 
-Reads of the host trainer: ``args``, ``accelerator``, ``model``, ``ref_model``, ``beta``, ``top_entropy_quantile``,
+Reads of the host trainer (and writes ``args.packing``, off for a length-dependent rotary: ``_resolve_packing``):
+``args``, ``accelerator``, ``model``, ``ref_model``, ``beta``, ``top_entropy_quantile``,
 ``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``, ``_prefix_sharing``,
 ``_shares_prefixes``;
 ``_get_per_token_logps_and_entropies`` (TRL's hook, DPPO's override), ``_seed_of`` (the keep decision),
@@ -13,6 +14,7 @@ Reads of the host trainer: ``args``, ``accelerator``, ``model``, ``ref_model``, 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
@@ -42,12 +44,39 @@ from ..core.packing import (
     rank_imbalance,
     varlen_kwargs,
 )
+from ..core.model_support import length_dependent_rope, sequence_mixing_layers
 from .generation_batch import UNKEPT_ROWS_KEY, GenerationBatch
+
+logger = logging.getLogger(__name__)
 
 class RowPlacement:
     """Mixed into ``DPPOTrainer``."""
 
     RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
+    _one_sequence_per_row = False  # resolved at construction (``_resolve_packing``)
+
+    def _resolve_packing(self, model, config) -> None:
+        """Where packing is exact for the model (``core.model_support``), said once: with rotary frequencies that
+        follow a call's longest position, ``packing`` is turned off (the passes run on TRL's padded layout); with
+        layers that carry a state along a row (hybrid models), each sequence gets its own packed row."""
+        if not self.args.packing:
+            return
+        rope_type = length_dependent_rope(config)
+        if rope_type is not None:
+            logger.warning(
+                "Packing is off: rope_type=%r chooses its rotary frequencies from the longest position of a forward "
+                "call, and a packed call's differs from TRL's padded one. DPPO runs its passes on TRL's padded "
+                "layout (packing=False), as GRPO does.", rope_type,
+            )
+            self.args.packing = False
+            return
+        mixing = sequence_mixing_layers(model, config)
+        if mixing:
+            logger.warning(
+                "Packing puts one sequence in each row: this model's %s layers carry a state along a row, and "
+                "would read one sequence's state into the next (max_packed_tokens is not used).", mixing,
+            )
+            self._one_sequence_per_row = True
 
     @property
     def _microbatches_follow_trl_split(self) -> bool:
@@ -205,6 +234,8 @@ class RowPlacement:
         )[0]
 
     def _packed_budget(self, padded_width: int) -> int:
+        if self._one_sequence_per_row:  # a budget of one token: every sequence alone in its row
+            return 1
         return self.args.max_packed_tokens or default_packed_tokens(
             self.args.per_device_train_batch_size, padded_width, varlen_attention=self._varlen_attention
         )
@@ -228,6 +259,8 @@ class RowPlacement:
         layout = packed.pop("layout")
         if any(len(segment) > 1 for segment in segments):  # each completion sees its prompt and its own tokens
             packed["attention_mask"] = self._prefix_mask(layout, self.accelerator.unwrap_model(model).dtype)
+        elif self._one_sequence_per_row:  # TRL's padding mask: no layer (nor the MoE router loss) reads the pad tail
+            packed["attention_mask"] = (layout[0] == 0).long()
         elif self._varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
             packed.update(varlen_kwargs(packed["position_ids"]))
         if compute_aux_loss:  # MoE: the router loss over the packed tokens
