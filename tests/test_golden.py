@@ -1,7 +1,7 @@
 """Behaviour unchanged: the golden runs (``support.golden``: every sampling design, prompt pruning, packing on and
 off, GA < spg, beta 0 and > 0, the entropy filter and bonus, the audit; float64 end to end) reproduce the keep
-masks and micro-batch plans exactly, and the weights, logged values and final parameters to float64 rounding, as
-recorded from the code before issue 29."""
+masks and micro-batch plans exactly, and the weights, logged values and final parameters to float64 rounding
+(every value of the runs is computed in float64, TRL's rewards included), as recorded (``support.golden``)."""
 
 import math
 

@@ -1,7 +1,12 @@
 """The golden runs: a fixed set of short DPPO runs on the offline tiny model, float64 end to end, whose keep
-masks, weights, micro-batch plans, logged values and final parameters were recorded from the code before the
-restructuring (issue 29) and must be reproduced by every later version: decisions exactly, numbers to float64
-rounding (float32 kernels round differently on different CPUs; float64 leaves 7 orders of magnitude of room).
+masks, weights, micro-batch plans, logged values and final parameters must be reproduced by every later version:
+decisions exactly, numbers to float64 rounding (float32 kernels and reductions round differently on different
+CPUs; float64 leaves 7 orders of magnitude of room). Float64 end to end includes TRL's rewards and their
+statistics, which TRL computes in the default dtype (float32 differed by an ulp across CPUs): ``run`` sets it to
+float64. Recorded before the restructuring (issue 29); recorded again at issue 41, when the runs became float64
+end to end (rewards, the deferred log-probs) and the entropy filter exact under pruning: every other run's
+decisions were the earlier record's; its numbers moved by float32 rounding only (parameters by at most 2e-6
+relative; values near 0, such as the first step's KL, by more).
 
 Record (only on purpose, when behaviour is meant to change): ``cd tests && python -m support.golden record``."""
 
@@ -118,7 +123,12 @@ def run(name: str, model_dir: str, workdir: Path) -> dict:
     dataset = addition_dataset(addition_pairs(seed=0)[0][: settings.pop("prompts", 64)])
     args = DPPOConfig(output_dir=str(workdir / name), **settings, **float64_model())
     trainer = _recording_trainer()(model_dir, reward, args=args, train_dataset=dataset)
-    trainer.train()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # TRL's rewards and their statistics too (float32 differs across CPUs)
+    try:
+        trainer.train()
+    finally:
+        torch.set_default_dtype(default_dtype)
     logs = [{k: v for k, v in entry.items() if not any(t in k for t in _TIMING) and k not in _NEWER}
             for entry in trainer.state.log_history]
     return {
