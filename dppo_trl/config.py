@@ -450,6 +450,11 @@ def _no_prompt_pruning(c: DPPOConfig) -> bool:
     return not c.prompt_pruning
 
 
+def _with_prompt_pruning(c: DPPOConfig) -> bool:
+    """`prompt_keep_rate < 1`"""
+    return c.prompt_pruning
+
+
 def _no_packing(c: DPPOConfig) -> bool:
     """`packing=False`"""
     return not c.packing
@@ -476,6 +481,10 @@ _FLOOR_ABOVE_RATE = (
 _AUDIT_WITHOUT_PRUNING = (
     "with completion_keep_rate=1.0: nothing is pruned, the audit measures only the float rounding of DPPO's passes"
 )
+_FILTER_WITH_PROMPT_PRUNING = (
+    "is approximate with prompt_keep_rate={prompt_keep_rate!r}: its quantile is taken over the accepted prompts' rows "
+    "(GRPO's filter had the batch been those prompts; prompts not generated cannot count)"
+)
 _SOURCE_WITHOUT_AUDIT = "has no audit to learn from while audit_every=0: the model-based error is used"
 
 # Read in this order by DPPOConfig._unused_settings: one warning lists every rule that applies.
@@ -497,6 +506,7 @@ UNUSED_SETTING_RULES = (
     UnusedSetting("prompt_keep_floor", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("prompt_history_decay", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("prompt_score", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
+    UnusedSetting("top_entropy_quantile", _with_prompt_pruning, _FILTER_WITH_PROMPT_PRUNING),
     UnusedSetting("max_packed_tokens", _no_packing, "is not used with packing=False"),
     UnusedSetting("prefix_sharing", _no_packing, "is not used with packing=False"),
 )

@@ -160,7 +160,7 @@ def _tables(docs: list[FieldDoc]) -> str:
 
 
 def _unused_rows() -> str:
-    fields = dppo_fields()
+    fields = {f.name: f for f in dataclasses.fields(DPPOConfig)}  # TRL's fields too (top_entropy_quantile)
     rows = []
     for rule in UNUSED_SETTING_RULES:
         if rule.when.__doc__ is None:

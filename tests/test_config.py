@@ -162,6 +162,7 @@ def test_every_dppo_field_is_in_the_config_reference():
         (dict(audit_every=5, completion_keep_rate=1.0, packing=False), "audit_every"),  # GRPO's path: never runs
         (dict(adaptive_keep_error_source="audit"), "adaptive_keep_error_source"),  # no adaptive_keep_error
         (dict(adaptive_keep_error=0.3, adaptive_keep_error_source="audit"), "adaptive_keep_error_source"),  # no audit
+        (dict(prompt_keep_rate=0.5, top_entropy_quantile=0.2), "top_entropy_quantile"),  # approximate: said
     ],
 )
 def test_valid_settings_that_the_configuration_does_not_use_warn_once(kwargs, field, caplog):

@@ -2,7 +2,8 @@
 (a group's kept rows on one rank, one segment each), the segments of one forward call, and their attention mask.
 The layout and its math are in ``dppo_trl.core.prefix`` and ``dppo_trl.core.packing.packed_inputs``.
 
-Reads of the host trainer: ``args``, ``num_generations``, ``aux_loss_enabled``."""
+Reads of the host trainer: ``args``, ``num_generations``, ``aux_loss_enabled``, ``_one_sequence_per_row``
+(``hooks.placement``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class PrefixSharing:
         if not self.args.packing or self.args.prefix_sharing is False:
             return False
         reason = prefix_sharing_refusal(model_config, attention, self.aux_loss_enabled)
+        if reason is None and self._one_sequence_per_row:  # a Conv1d the layer types do not name
+            reason = "the model's layers carry a state along a row: each sequence has its own packed row"
         if reason is None:
             return True
         if self.args.prefix_sharing:
