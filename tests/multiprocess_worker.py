@@ -134,6 +134,7 @@ def main(argv):
     parser.add_argument("--beta", type=float, default=0.05)
     parser.add_argument("--audit-sketch", type=int, default=None)
     parser.add_argument("--no-prefix-sharing", action="store_true")
+    parser.add_argument("--top-entropy-quantile", type=float, default=1.0)
     a = parser.parse_args(argv)
     Worker.perturb_rank = a.perturb_rank
     Worker.RANK_BALANCE_TOLERANCE = a.tolerance
@@ -160,6 +161,7 @@ def main(argv):
         prune_sampling=a.sampling,
         prompt_keep_rate=a.prompt_keep_rate,
         prefix_sharing=False if a.no_prefix_sharing else None,
+        top_entropy_quantile=a.top_entropy_quantile,
         **sharding,
         **({} if a.audit_sketch is None else
            dict(audit_every=1, audit_sketch_dim=a.audit_sketch, audit_exact_params=0, max_grad_norm=0.0)),

@@ -161,6 +161,17 @@ def test_fsdp2_rank_keeping_nothing_finishes(tmp_path, tiny_model_dir):
     assert [sorted(kept) for kept in zip(ranks[0]["local_kept"], ranks[1]["local_kept"])] == [[0, 1]]
 
 
+def test_fsdp2_entropy_filter_under_pruning_forwards_the_unkept_rows_in_step(tmp_path, tiny_model_dir):
+    """Under the entropy filter each micro-step also forwards, without gradient, the rows of TRL's micro-batch that
+    were not kept (for TRL's quantile): a rank with none forwards a filler, so both ranks make the same calls under
+    FSDP2 (checked by ``torchrun``) and finish."""
+    ranks, _ = torchrun(tmp_path, tiny_model_dir, "systematic", 0.5, 4, "--fsdp", "--top-entropy-quantile", 0.5,
+                        timeout=120)
+    passes = ranks[0]["forward_passes"]
+    before_a_micro_step = [a for a, b in zip(passes, passes[1:]) if a[1] == b[1] == "logps" and not a[2] and b[2]]
+    assert len(before_a_micro_step) == 8  # every micro-step (2 batches x 2 micro-batches x 2 iterations)
+
+
 @pytest.mark.slow
 def test_fsdp2_trains_as_ddp(ddp_spg4, tmp_path, tiny_model_dir):
     """The same run (pruning, packing, rank balancing, spg 4 > GA 2, 8 steps) with the policy and the reference
