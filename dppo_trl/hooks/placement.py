@@ -49,19 +49,22 @@ from .generation_batch import UNKEPT_ROWS_KEY, GenerationBatch
 
 logger = logging.getLogger(__name__)
 
+
 class RowPlacement:
     """Mixed into ``DPPOTrainer``."""
 
     RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
     _one_sequence_per_row = False  # resolved at construction (``_resolve_packing``)
+    _length_dependent_rope: str | None = None  # likewise
 
     def _resolve_packing(self, model, config) -> None:
         """Where packing is exact for the model (``core.model_support``), said once: with rotary frequencies that
-        follow a call's longest position, ``packing`` is turned off (the passes run on TRL's padded layout); with
-        layers that carry a state along a row (hybrid models), each sequence gets its own packed row."""
+        follow a call's longest position, ``packing`` is turned off (the passes run on TRL's padded layout) and no
+        row moves between ranks (a moved row is padded to the widest rank); with layers that carry a state along a
+        row (hybrid models), each sequence gets its own packed row."""
+        self._length_dependent_rope = rope_type = length_dependent_rope(config)
         if not self.args.packing:
             return
-        rope_type = length_dependent_rope(config)
         if rope_type is not None:
             logger.warning(
                 "Packing is off: rope_type=%r chooses its rotary frequencies from the longest position of a forward "
@@ -116,9 +119,11 @@ class RowPlacement:
         A row that leaves stays in its rank's batch, no longer kept; received rows are appended, kept. Every
         per-row tensor travels (one fixed-size gather per key, padded to the widest rank). Each row's loss term
         is normalized by global constants or by its own TRL micro-batch's count, which travels with it, so where a
-        row trains does not change the gradient. No row moves while micro-batches follow TRL's split. Updates the
-        kept rows and widths in ``batch``."""
-        tolerance = math.inf if self._microbatches_follow_trl_split else self.RANK_BALANCE_TOLERANCE
+        row trains does not change the gradient. No row moves while micro-batches follow TRL's split, nor with a
+        rotary scaling that follows a call's padded width (``_resolve_packing``). Updates the kept rows and widths
+        in ``batch``."""
+        rows_stay = self._microbatches_follow_trl_split or self._length_dependent_rope is not None
+        tolerance = math.inf if rows_stay else self.RANK_BALANCE_TOLERANCE
         plan, loads_before, loads_after = self._rank_plan(batch, tolerance)
         metrics = self._metrics["train"]
         metrics["dppo/rank_imbalance_before"].append(rank_imbalance(loads_before))
