@@ -79,8 +79,8 @@ def test_zero_trains_as_ddp(runs, tiny_model_dir, name, reference):
     for rank, reference_rank in zip(ranks, reference_ranks, strict=True):
         assert len(rank["logs"]) == len(reference_rank["logs"]) == 2
         for log, reference_log in zip(rank["logs"], reference_rank["logs"], strict=True):
-            for key in ("loss", "grad_norm"):
-                assert log[key] == pytest.approx(reference_log[key], rel=1e-6), key
+            for key in ("loss", "grad_norm"):  # float32 sums in another order (ZeRO-3 reduces in float64): 1e-5
+                assert log[key] == pytest.approx(reference_log[key], rel=1e-5), key
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     initial = {key: p.detach().double() for key, p in model.named_parameters()}
     assert set(reference[0]) == set(initial)

@@ -54,8 +54,9 @@ def test_packed_logprobs_equal_padded_under_flash_semantics(tmp_path, tiny_model
         )
         plp, pent, _ = trainer._packed_logps_and_entropies(trainer.model, ids, mask, width, compute_entropy=True)
     m = batch["completion_mask"].bool()
-    assert (lp[m] - plp[m]).abs().max() < 1e-5
-    assert (ent[m] - pent[m]).abs().max() < 1e-5
+    # float32 values of about 5 computed through calls of other shapes: 1e-4 is about 200 ulps (1e-5 was 20).
+    assert (lp[m] - plp[m]).abs().max() < 1e-4
+    assert (ent[m] - pent[m]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("spg,ga,budget", [(1, 1, 16), (1, 1, None), (3, 1, 8)])
