@@ -144,6 +144,26 @@ def test_the_entropy_filter_keeps_the_estimator_unbiased(
     assert_exact(grad, full_grad)
 
 
+def test_a_micro_batch_that_kept_no_row_forwards_no_unkept_rows(tmp_path, tiny_model_dir, train_dataset):
+    """Under the filter only a micro-batch that trains a kept row needs its unkept rows' entropies: one of fillers
+    alone skips their forward (the filter acts on nothing there)."""
+    from support.oracle import generation_batch_of
+
+    from dppo_trl.hooks.generation_batch import UNKEPT_ROWS_KEY
+
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, 3, top_entropy_quantile=0.5)
+    batch = synthetic_batch(trainer)
+    rows = dict(batch)
+    rows.update(trainer._trl_split_of_rows(rows, generation_batch_of(batch, torch.ones(N_ROWS, dtype=torch.bool))))
+    first = rows["dppo_trl_microbatch"] == 0
+    keep = first.clone()
+    keep[first.nonzero()[0]] = False  # one row of micro-batch 0 kept, one not
+    rows["dppo_keep"], rows["dppo_weight"] = keep, keep.double()
+    microbatches = trainer._kept_microbatches(dict(rows), generation_batch_of(batch, keep))
+    assert [UNKEPT_ROWS_KEY in mb for mb in microbatches] == [True, False, False]
+    assert microbatches[0][UNKEPT_ROWS_KEY]["prompt_ids"].size(0) == 1
+
+
 @pytest.mark.parametrize("made", ["bare", "mock"])
 def test_entropy_mask_outside_a_loss_computation_is_trls(made):
     """TRL's own unit tests call ``get_high_entropy_mask`` on a trainer built without ``__init__`` and on a

@@ -288,15 +288,18 @@ class RowPlacement:
         rows allow, or evenly by rows; a fair share of every rank's rows in each optimizer step; or TRL's own
         split, ``_microbatches_follow_trl_split``), with the same row count on every rank in each micro-step; a
         slot with no kept row fills up with zero-weight filler rows of one token. Under the entropy filter with
-        completion pruning, each micro-batch also carries the tokens of the rows of TRL's micro-batch that were not
-        kept (``UNKEPT_ROWS_KEY``): the filter's quantile is taken over them too, as TRL takes it."""
+        completion pruning, each micro-batch of which some rank kept a row also carries the tokens of the rows of
+        TRL's micro-batch that were not kept (``UNKEPT_ROWS_KEY``): the filter's quantile is taken over them too,
+        as TRL takes it."""
         keep, trl_microbatch = rows.pop("dppo_keep"), rows.pop("dppo_trl_microbatch")
         rows.pop("dppo_origin_rank")
         row_index = rows.pop("dppo_row").tolist()
         kept = keep.nonzero().flatten()
         lengths = (rows["prompt_mask"].sum(1) + rows["completion_mask"].sum(1)).tolist()
+        kept_anywhere = None  # under the filter: per micro-batch, whether any rank kept a row of it
         if self._microbatches_follow_trl_split:
             bins, sizes = self._trl_split_bins(trl_microbatch, kept)
+            kept_anywhere, sizes = [size > 0 for size in sizes], [max(size, 1) for size in sizes]
         elif self._shares_prefixes:
             bins, sizes = self._unit_bins(kept.tolist(), [row_index[i] for i in kept.tolist()], batch)
         else:
@@ -315,9 +318,10 @@ class RowPlacement:
             with_fillers(select_rows(rows, torch.tensor(members, dtype=torch.long)), filler, size)
             for members, size in zip(bins, sizes)
         ]
-        if self._microbatches_follow_trl_split and self.args.completion_pruning:
+        if kept_anywhere is not None and self.args.completion_pruning:
             for j, microbatch in enumerate(microbatches):
-                microbatch[UNKEPT_ROWS_KEY] = unkept_rows_of_microbatch(rows, keep, trl_microbatch, j)
+                if kept_anywhere[j]:  # else only fillers train: the filter acts on nothing (the same on every rank)
+                    microbatch[UNKEPT_ROWS_KEY] = unkept_rows_of_microbatch(rows, keep, trl_microbatch, j)
         self._log_microbatch_metrics(rows, lengths, bins, sizes, row_index, batch)
         return microbatches
 
@@ -342,12 +346,12 @@ class RowPlacement:
 
     def _trl_split_bins(self, trl_microbatch, kept) -> tuple[list[list[int]], list[int]]:
         """``(bins, sizes)``: bin ``j`` the kept rows of TRL's micro-batch ``j``; ``sizes[j]`` the most any rank has
-        there (at least 1)."""
+        there (0 when no rank kept a row of it)."""
         steps = self.args.steps_per_generation
         of_kept = trl_microbatch[kept].cpu()
         bins = [kept[of_kept == j].tolist() for j in range(steps)]
         counts = torch.tensor([len(members) for members in bins], device=self.accelerator.device)
-        sizes = self.accelerator.gather(counts).view(-1, steps).amax(0).clamp(min=1).tolist()
+        sizes = self.accelerator.gather(counts).view(-1, steps).amax(0).tolist()
         return bins, sizes
 
     def _log_microbatch_metrics(self, rows, lengths, bins, sizes, row_index, batch) -> None:
