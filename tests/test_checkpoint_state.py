@@ -20,8 +20,9 @@ OLD_FILES = {"prompt_pruning": "dppo_prompt_sampler.json", "audit": "dppo_audit.
 
 
 def assert_same_state(old, new, where="state"):
-    """Equal structure and values; floats to 1e-9 relative. The runs are float64 end to end, and the old files carry
-    the audit statistics of the machine that recorded them: its kernels round in a different order."""
+    """Equal structure and values; floats to 1e-6 relative. The old files carry the audit statistics of the code
+    that recorded them, which stored the deferred old-policy log-probs in float32 (since issue 41 they keep the
+    model's float64: the cosines moved by 6e-9), on a machine whose kernels round in a different order."""
     assert type(old) is type(new), where
     if isinstance(new, dict):
         assert list(old) == list(new), where
@@ -32,7 +33,7 @@ def assert_same_state(old, new, where="state"):
         for i, (a, b) in enumerate(zip(old, new)):
             assert_same_state(a, b, f"{where}[{i}]")
     elif isinstance(new, float):
-        assert math.isclose(old, new, rel_tol=1e-9, abs_tol=1e-12), (where, old, new)
+        assert math.isclose(old, new, rel_tol=1e-6, abs_tol=1e-12), (where, old, new)
     else:
         assert old == new, where
 
