@@ -105,11 +105,11 @@ class DPPOTrainer(
             environment_factory=environment_factory,
         )
         unwrapped = self.accelerator.unwrap_model(self.model)
-        model_config = unwrapped.config
-        attention = getattr(model_config, "_attn_implementation", None) or ""
-        self._resolve_packing(unwrapped, model_config.get_text_config())
+        text_config = unwrapped.config.get_text_config()
+        attention = getattr(unwrapped.config, "_attn_implementation", None) or ""
+        self._resolve_packing(unwrapped, text_config)
         self._varlen_attention = is_varlen_attention(attention)
-        self._prefix_sharing = self._resolve_prefix_sharing(model_config.get_text_config(), attention)
+        self._prefix_sharing = self._resolve_prefix_sharing(text_config, attention)
         self.add_callback(DPPOSummaryCallback(self._audit_summary))
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.configs import N_ROWS, cpu_config, float64_settings
 from support.models import HYBRID_MODELS, LENGTH_DEPENDENT_ROPE, save_tiny_hybrid, save_tiny_rope
-from support.oracle import dppo_loss_and_grad, synthetic_batch
+from support.oracle import as_float64, dppo_loss_and_grad, flat_gradient, synthetic_batch
 from support.rewards import random_reward
 from trl import GRPOConfig, GRPOTrainer
 
@@ -43,9 +43,7 @@ def grpo_loss_and_grad(grpo, batch):
     grpo.model.zero_grad()
     loss = GRPOTrainer._compute_loss(grpo, grpo.model, batch)
     loss.backward()
-    grad = torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
-                      for p in grpo.model.parameters() if p.requires_grad])
-    return loss.detach().double(), grad.double()
+    return loss.detach().double(), flat_gradient(grpo.model)
 
 
 def varied_batch(built):
@@ -57,7 +55,7 @@ def varied_batch(built):
     batch["num_items_in_batch"] = batch["completion_mask"].sum()
     lengths = batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
     assert int(lengths.max()) == batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) - 1
-    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+    return as_float64(batch)
 
 
 def assert_dppo_is_grpo(tmp_path, model_dir, dataset, tolerance, **dppo_settings):

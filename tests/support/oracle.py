@@ -90,14 +90,14 @@ def dppo_loss_and_grad(trainer, batch, keep, weights):
         loss = trainer._compute_loss(trainer.model, mb)
         loss.backward()
         total += loss.item()
-    grad = torch.cat(
-        [
-            p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
-            for p in trainer.model.parameters()
-            if p.requires_grad
-        ]
-    )
-    return torch.tensor(total, dtype=torch.float64), grad.double()
+    return torch.tensor(total, dtype=torch.float64), flat_gradient(trainer.model)
+
+
+def flat_gradient(model):
+    """The gradient of ``model``'s trainable parameters as one float64 vector (zeros where none reached one)."""
+    grads = [p.grad.flatten() if p.grad is not None else torch.zeros(p.numel())
+             for p in model.parameters() if p.requires_grad]
+    return torch.cat(grads).double()
 
 
 def expectation(trainer, batch, outcomes):
