@@ -71,6 +71,8 @@ METHODS = {
     "dppo+repeated": dict(completion_keep_rate=0.5, prefix_sharing=False),
     "dppo+prompt": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="ema"),  # as recorded
     "dppo+calibrated": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="calibrated"),
+    # Issue 42: the cut (2 of each step's 4 prompts generated), set by a probe of 2 completions of every candidate.
+    "dppo+cut": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="probe", prompt_probe_generations=2),
     "packing": dict(completion_keep_rate=1.0),
     # DPPO with every other batch audited: its logged time ratios, checked against the paired runs' (not for timing:
     # the audit runs GRPO's passes too).

@@ -14,7 +14,7 @@ from transformers.utils import logging
 from trl import GRPOConfig
 
 from .core.estimator import SUPPORTED_LOSS_TYPES
-from .core.prompts import prompt_scores
+from .core.prompts import probe_scores, prompt_scores
 from .core.pruning import default_length_exponent, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
@@ -92,6 +92,7 @@ ALLOWED_VALUES: dict[str, Allowed] = {
     "prompt_history_decay": Allowed(lambda v: is_real_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "prompt_score": Allowed(lambda v: isinstance(v, str) and v in prompt_scores(),
                             lambda: f"one of {list(prompt_scores())}"),
+    "prompt_probe_generations": Allowed(lambda v: v is None or _integer(v, 0), "None or an integer >= 0"),
     "packing": Allowed(lambda v: isinstance(v, bool), "True or False"),
     "max_packed_tokens": Allowed(lambda v: v is None or _integer(v, 1), "None or an integer >= 1"),
     "prefix_sharing": Allowed(lambda v: v is None or isinstance(v, bool), "None, True or False"),
@@ -177,22 +178,27 @@ class DPPOConfig(GRPOConfig):
         > Parameters that control prompt pruning
 
         prompt_keep_rate (`float`, *optional*, defaults to `1.0`):
-            Prompt pruning before rollout: the training sampler accepts each prompt with a probability from its
-            score history, their mean over the prompts seen being this value, and reweights the accepted ones so
-            that the expected step stays GRPO's (what holds, per loss type: `docs/prompt_pruning.md`). `1.0`: off.
-            Needs a map-style (not streaming) dataset, checked when the trainer is built. Refused with
-            `scale_rewards="batch"` or `multi_objective_aggregation="normalize_then_sum"`: a batch-level reward
-            statistic over the accepted prompts is not GRPO's (`docs/estimator.md`, section 2b).
+            Prompt pruning before rollout: of the prompts GRPO's sampler yields for a step, each process generates
+            only `round(prompt_keep_rate x P)` of its `P`, drawn with probabilities set by `prompt_score` and
+            reweighted by `1 / pi`, so that the expected step stays GRPO's (what holds, per loss type:
+            `docs/prompt_pruning.md`). `1.0`: off. Refused with `scale_rewards="batch"` or
+            `multi_objective_aggregation="normalize_then_sum"`: a batch-level reward statistic over the accepted
+            prompts is not GRPO's (`docs/estimator.md`, section 2b).
         prompt_keep_floor (`float`, *optional*, defaults to `0.1`):
             Smallest acceptance probability of a prompt: it caps the prompt weight at `1 / prompt_keep_floor`.
+        prompt_score (`str`, *optional*, defaults to `"probe"`):
+            What sets a candidate's acceptance probability: `"probe"`, whether the rewards of its probe
+            (`prompt_probe_generations` completions generated and scored first) differ; `"ema"`, the moving average
+            of its own earlier groups' mean `|A|` (`prompt_history_decay`); `"calibrated"`, what the prompts whose
+            last group looked like its last group (flat or spread, and where its mean reward lay) got at their next
+            visit (`docs/prompt_pruning.md`, "Scores").
+        prompt_probe_generations (`int` or `None`, *optional*, defaults to `None`):
+            Completions `k` of every candidate generated first and scored, for `prompt_score="probe"`; an accepted
+            prompt keeps them in its group and generates the other `num_generations - k`. In
+            `[2, num_generations)` for the probe score, `0` for a history score; `None`: 2 for the probe, else 0.
         prompt_history_decay (`float`, *optional*, defaults to `0.5`):
-            Weight of the old value in a prompt's moving averages, of its groups' mean `|A|` (its score) and of
-            their completion lengths (`docs/prompt_pruning.md`, "History"); `0` keeps only the latest group's.
-        prompt_score (`str`, *optional*, defaults to `"calibrated"`):
-            What predicts a prompt's next mean `|A|`, from which its acceptance probability is set: `"ema"`, the
-            moving average of its own groups' (`prompt_history_decay`); `"calibrated"`, what the prompts whose last
-            group looked like its last group (flat or spread, and where its mean reward lay) got at their next
-            visit, measured over the run (`docs/prompt_pruning.md`, "Scores").
+            Weight of the old value in a prompt's moving averages, of its groups' mean `|A|` (the `"ema"` score) and
+            of their completion lengths (the token normalizer without a probe); `0` keeps only the latest group's.
 
         > Parameters that control packing
 
@@ -287,8 +293,8 @@ class DPPOConfig(GRPOConfig):
     prompt_keep_rate: float = field(
         default=1.0,
         metadata={
-            "help": "Prompt pruning before rollout: the mean probability with which the training sampler accepts a "
-            "seen prompt, the accepted ones reweighted; 1.0: off."
+            "help": "Prompt pruning before rollout: the fraction of each step's candidate prompts generated, drawn "
+            "at random and reweighted; 1.0: off."
         },
     )
     prompt_keep_floor: float = field(
@@ -300,9 +306,15 @@ class DPPOConfig(GRPOConfig):
         metadata={"help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."},
     )
     prompt_score: str = field(
-        default="calibrated",
-        metadata={"help": "Prompt pruning's predictor of a prompt's next mean |A|: 'ema' (its own history) or "
-                  "'calibrated' (measured over the run by the look of its last group)."},
+        default="probe",
+        metadata={"help": "Prompt pruning's predictor of a candidate's signal: 'probe' (its probe's rewards differ), "
+                  "'ema' (its own history) or 'calibrated' (measured over the run by the look of its last group)."},
+    )
+    prompt_probe_generations: int | None = field(
+        default=None,
+        metadata={"help": "Prompt pruning: completions of every candidate generated and scored first (the probe), "
+                  "kept in the group of an accepted prompt; 0 with a history prompt_score; None: 2 for the probe, "
+                  "else 0."},
     )
     packing: bool = field(
         default=True,
@@ -359,9 +371,11 @@ class DPPOConfig(GRPOConfig):
         if self.audit_every and self.prompt_pruning:
             raise ValueError(
                 f"audit_every={self.audit_every!r} cannot be combined with prompt_keep_rate={self.prompt_keep_rate!r} "
-                "yet: the audit compares completion pruning with GRPO on the same accepted batch, and prompt weights "
-                "are unbiased over an epoch, not within one batch. Use prompt_keep_rate=1.0 or audit_every=0."
+                "yet: the audit compares DPPO with GRPO on the same batch, and GRPO's batch holds the prompts that "
+                "were never generated. Use prompt_keep_rate=1.0 or audit_every=0."
             )
+        if self.prompt_pruning:
+            self._validate_probe()
         if self.audit_every and (self.deepspeed or self.fsdp):
             raise ValueError(audit_sharding_refusal(self.audit_every))
         scale = self.scale_rewards if isinstance(self.scale_rewards, str) else "group" if self.scale_rewards else "none"
@@ -375,6 +389,24 @@ class DPPOConfig(GRPOConfig):
         unused = self._unused_settings()
         if unused:
             logger.warning("DPPOConfig: " + "; ".join(unused) + ".")
+
+    def _validate_probe(self) -> None:
+        score = self.prompt_score
+        if self.prompt_probe_generations is None:
+            self.prompt_probe_generations = 2 if score in probe_scores() else 0
+        k = self.prompt_probe_generations
+        if score in probe_scores() and not 2 <= k < self.num_generations:
+            raise ValueError(
+                f"prompt_probe_generations={k!r} is invalid with prompt_score={score!r}: it must be an integer in "
+                f"[2, num_generations={self.num_generations}) (a probe of one completion shows no spread, and one of "
+                "a whole group would cut nothing). Set it, or use prompt_score='ema' or 'calibrated' with "
+                "prompt_probe_generations=0."
+            )
+        if score not in probe_scores() and k:
+            raise ValueError(
+                f"prompt_probe_generations={k!r} is invalid with prompt_score={score!r}: that score does not read a "
+                f"probe, so it must be 0. Use prompt_probe_generations=0, or prompt_score in {list(probe_scores())}."
+            )
 
     def _unused_settings(self) -> list[str]:
         """The warnings of ``UNUSED_SETTING_RULES`` that apply, in the table's order."""
@@ -450,6 +482,11 @@ def _no_prompt_pruning(c: DPPOConfig) -> bool:
     return not c.prompt_pruning
 
 
+def _probe_score(c: DPPOConfig) -> bool:
+    """prompt pruning with a probe score (`prompt_score="probe"`)"""
+    return c.prompt_pruning and c.prompt_score in probe_scores()
+
+
 def _with_prompt_pruning(c: DPPOConfig) -> bool:
     """`prompt_keep_rate < 1`"""
     return c.prompt_pruning
@@ -505,6 +542,9 @@ UNUSED_SETTING_RULES = (
     UnusedSetting("audit_exact_params", _audit_off, "is not used while audit_every=0"),
     UnusedSetting("prompt_keep_floor", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("prompt_history_decay", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
+    UnusedSetting("prompt_history_decay", _probe_score, "is not used with prompt_score={prompt_score!r} (the probe "
+                  "needs no history)"),
+    UnusedSetting("prompt_probe_generations", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("prompt_score", _no_prompt_pruning, "is not used while prompt_keep_rate=1.0"),
     UnusedSetting("top_entropy_quantile", _with_prompt_pruning, _FILTER_WITH_PROMPT_PRUNING),
     UnusedSetting("max_packed_tokens", _no_packing, "is not used with packing=False"),

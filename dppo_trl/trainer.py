@@ -19,7 +19,8 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - ``get_high_entropy_mask``: TRL's entropy filter over the kept rows and, forwarded without gradient, the rows of
   the same TRL micro-batch that were not kept: GRPO's quantile.
 - ``_calculate_rewards``: keeps the rewards in the batch (rows whose A is 0 in exact arithmetic score 0).
-- Prompt pruning (``hooks.prompt_pruning``): the sampler, the schedule that follows data progress.
+- Prompt pruning (``hooks.prompt_pruning``): the cut of each step's candidates before generation, the probe's
+  completions spliced into the accepted groups (``_generate_single_turn``).
 - The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch.
 - Checkpoints: DPPO's state in one file (``hooks.checkpoint``).
 
@@ -32,7 +33,6 @@ import contextlib
 import os
 
 import torch
-from datasets import IterableDataset
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
@@ -44,7 +44,7 @@ from .hooks.generation_batch import BATCH_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 from .hooks.keep_decision import KeepDecision
 from .hooks.placement import RowPlacement
 from .hooks.prefix_sharing import PrefixSharing
-from .hooks.prompt_pruning import DataProgressBarCallback, DataProgressScheduler, PromptPruning
+from .hooks.prompt_pruning import PromptPruning
 from .hooks.summary import DPPOSummaryCallback
 from .hooks.weighted_loss import WeightedLoss
 from .hooks.weighted_metrics import WeightedMetrics
@@ -83,10 +83,11 @@ class DPPOTrainer(
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = DPPOConfig(f"{str(name).split('/')[-1] or 'model'}-DPPO")
         args = as_dppo_config(args)
-        if args.prompt_pruning and isinstance(train_dataset, IterableDataset):  # checked before any model loads
-            raise ValueError(
-                f"prompt_keep_rate={args.prompt_keep_rate!r}: prompt pruning needs a map-style dataset (it keeps a "
-                "history per dataset row); a streaming IterableDataset is not supported. Use prompt_keep_rate=1.0."
+        if args.prompt_pruning and args.prompt_probe_generations and (tools or rollout_func or environment_factory):
+            raise ValueError(  # checked before any model loads
+                f"prompt_probe_generations={args.prompt_probe_generations!r} cannot be combined with tools, "
+                "rollout_func or environment_factory yet: the probe's completions are spliced into the groups at "
+                "the single-turn generation. Use prompt_probe_generations=0 with a history prompt_score."
             )
         super().__init__(
             model=model,
@@ -113,10 +114,6 @@ class DPPOTrainer(
         self.add_callback(DPPOSummaryCallback(self._audit_summary))
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))
-        if self.args.prompt_pruning and self.args.max_steps <= 0:
-            self.add_callback(
-                DataProgressBarCallback(self._grpo_equivalent_steps, lambda: self.callback_handler.callbacks)
-            )
 
     def _dppo_now(self) -> bool:
         return self.args.dppo_training_path and self.model.training and not self._in_grpo_reference
@@ -172,7 +169,10 @@ class DPPOTrainer(
         if not self._dppo_now():
             return super()._generate_and_score_completions(inputs)
         audited = self._audit_this_batch()
-        with self._scoring_batch(GenerationBatch()) as batch, self._audit_timer(audited) as generation:
+        cut = None
+        if self.args.prompt_pruning:
+            inputs, cut = self._cut_step(inputs)
+        with self._scoring_batch(GenerationBatch(cut=cut)) as batch, self._audit_timer(audited) as generation:
             output = super()._generate_and_score_completions(inputs)
         batch.generation_seconds = generation.seconds
         if any(key in output for key in ("pixel_values", "num_images")):
@@ -183,9 +183,9 @@ class DPPOTrainer(
         scores = self._global_scores(output["advantages"], batch)
         self._draw_keep_mask(output, batch, scores)
         if self.args.prompt_pruning:
-            prompt_weights, count = self._take_prompt_decision(inputs, scores, batch)
+            prompt_weights, count = self._take_prompt_decision(scores, batch)
             batch.weights = batch.weights * prompt_weights
-            # A token count fixed before this batch's acceptance draw (estimator.prompt_pruning_normalization).
+            # A token count fixed before this batch's acceptance draw (prompts.expected_candidate_tokens).
             output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
         if self.args.completion_pruning or self.args.prompt_pruning:
             self._log_pruning_metrics(batch, scores)
@@ -245,17 +245,19 @@ class DPPOTrainer(
         every_entropy, every_mask = loss_pass.with_unkept(entropies, mask)
         return loss_pass.record_entropy_mask(super().get_high_entropy_mask(every_entropy, every_mask, threshold))
 
-    def _get_train_sampler(self, dataset=None):
-        if not self.args.prompt_pruning:
-            return super()._get_train_sampler(dataset)
-        return self._prompt_pruning_sampler(dataset)
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation; while a step with a probe is scored, only the accepted groups' rows the probe did not
+        generate, the probe's completions spliced back in (``hooks.prompt_pruning``)."""
+        cut = self._scoring.cut if self._scoring is not None else None
+        if cut is None or cut.probe is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.args.prompt_pruning and self.args.max_steps <= 0 and not isinstance(scheduler, DataProgressScheduler):
-            # Epoch-based: the schedule was planned for GRPO's step count; drive it by data progress instead.
-            self.lr_scheduler = scheduler = DataProgressScheduler(scheduler, self._grpo_equivalent_steps)
-        return scheduler
+        def generate(rows, count):
+            return super(DPPOTrainer, self)._generate_single_turn(rows, None, multimodal_fields, count,
+                                                                  has_tool_images)
+
+        return self._spliced_generation(cut, prompt_ids, generate, num_generations)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -66,8 +66,17 @@ def timed(trainer_cls):
             total = time.perf_counter() - start
             self.bench_phase["scoring"] += total - (self.bench_phase["generation"] - generation_before)
             self.bench_phase["loss"] -= total  # training_step's clock below contains this call
-            self._bench_record_generation(output, inputs)
+            self._bench_record_generation(output, self._bench_generated_rows(output, inputs))
             return output
+
+        def _bench_generated_rows(self, output, inputs):
+            """The rows that were generated: under prompt pruning's cut, the accepted groups of ``inputs``."""
+            cut = getattr(output.get("dppo_generation_batch"), "cut", None)
+            if cut is None:
+                return inputs
+            group = self.num_generations
+            accepted = cut.local(self.accelerator.process_index).tolist()
+            return [row for j, taken in enumerate(accepted) if taken for row in inputs[j * group : (j + 1) * group]]
 
         def training_step(self, *args, **kwargs):
             start = time.perf_counter()
@@ -102,15 +111,17 @@ def timed(trainer_cls):
                     "completion_tokens": float(completion_tokens.sum()),
                     "trained_sequence_tokens": float(sequence_tokens[keep].sum()),
                     "sequence_tokens": float(sequence_tokens.sum()),
-                    # Per group (this rank's): its prompt (a short hash), mean reward, prompt weight and whether its
-                    # rewards were all equal: which prompts a sampler takes and what they give at each visit.
+                    # Per group (this rank's): its prompt (a short hash), mean reward, prompt weight, whether its
+                    # rewards were all equal, and its rewards in order (a probe's completions first): which prompts
+                    # a sampler takes, what they give at each visit, and what a probe of the first k would show.
                     "groups": [
                         [hashlib.sha1(str(row["prompt"]).encode()).hexdigest()[:8], round(float(reward), 4),
-                         None if weight is None else round(float(weight), 4), bool(flat)]
-                        for row, reward, weight, flat in zip(
+                         None if weight is None else round(float(weight), 4), bool(flat),
+                         [round(float(r), 4) for r in group]]
+                        for row, reward, weight, flat, group in zip(
                             inputs[:: self.num_generations], spread.mean(1).tolist(),
                             [None] * spread.size(0) if weights is None else weights[:: self.num_generations].tolist(),
-                            (spread.amax(1) == spread.amin(1)).tolist(),
+                            (spread.amax(1) == spread.amin(1)).tolist(), spread.tolist(),
                         )
                     ],
                 }

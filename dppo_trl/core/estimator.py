@@ -4,14 +4,13 @@ No TRL import. A pruned batch's loss is ``sum_n w_n l_n / Z``: ``w`` the row wei
 times the prompt weights), ``Z`` a normalizer that must not depend on the pruning draw, so that an unbiased
 numerator over ``Z`` stays unbiased. Completion pruning takes ``Z`` from the full generation batch, counted
 before the keep draw (``full_batch_normalizer``). Prompt pruning cannot count the batch GRPO would have drawn
-(it is never generated): its token count is fixed when the sampler plans the epoch, before any acceptance
-draw of that epoch (``expected_batch_tokens``, ``prompt_pruning_normalization``; ``docs/prompt_pruning.md``).
+(it is never generated): its token count is fixed before the step's acceptance draw
+(``prompts.expected_candidate_tokens``; ``docs/prompt_pruning.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 
@@ -100,7 +99,7 @@ def full_batch_normalizer(
     does), ``sum_n l_n / Z`` is TRL's full-batch loss: rows x ``GA`` (``grpo``, ``sapo``, ``luspo``: the mean
     over rows), rows x ``max_completion_length`` x ``GA`` (``dr_grpo``), or the generation batch's loss tokens
     ``/ P x GA / spg`` (``bnpo``, ``dapo``, ``cispo``, ``vespo``: the mean over tokens; under prompt pruning
-    the planned count of ``prompt_pruning_normalization``).
+    the count fixed before the draw, ``prompts.expected_candidate_tokens``).
     """
     normalizer = loss_type_record(loss_type).normalizer
     if normalizer == "rows":
@@ -145,44 +144,6 @@ def trl_microbatch_normalizer(
         steps_per_generation,
         accumulation_steps,
     )
-
-
-def expected_batch_tokens(
-    mean_loss_tokens: torch.Tensor, seen: torch.Tensor, prompts_per_batch: int, group_size: int
-) -> float | None:
-    """Prompt pruning's token normalizer ``D`` of a planned epoch: the loss tokens GRPO's batch is expected to
-    hold, ``prompts_per_batch x group_size x`` the dataset mean of each row's expected loss tokens per completion
-    (``mean_loss_tokens``: its history; a row not yet ``seen`` counts as the mean of the seen rows). A function of
-    the history alone, so it is fixed before the epoch's acceptance draws. ``None`` while no row is seen: the
-    epoch then accepts every prompt (``q = 1``) and the batch's own count is GRPO's."""
-    if not bool(seen.any()):
-        return None
-    return float(prompts_per_batch * group_size) * float(mean_loss_tokens.to(torch.float64)[seen].mean())
-
-
-def prompt_pruning_normalization(
-    loss_type: str, planned: float | None, prompt_normalizers: Sequence[float | None], loss_tokens: torch.Tensor
-) -> tuple[float, list[float]]:
-    """``(Z, factors)`` of one prompt-pruned generation batch: the token count ``Z`` its token-mean terms divide
-    by, and a factor per prompt for its weight.
-
-    ``Z`` is the planned ``D`` of the batch's epoch (``expected_batch_tokens``), or, when it is ``None`` (an epoch
-    with nothing seen, every prompt accepted), the batch's own loss-token count (``loss_tokens``, one per row),
-    GRPO's. A prompt carried over from an earlier epoch keeps the normalizer ``D_j`` of the epoch that accepted
-    it: under the token-mean loss types its factor is ``Z / D_j`` (so its term is ``w_j l_j / D_j``), 1 otherwise
-    (the other types divide by a count of rows). Neither depends on this batch's acceptance draw."""
-    z = float(loss_tokens.to(torch.float64).sum()) if planned is None else float(planned)
-    if loss_type not in TOKEN_MEAN_LOSS_TYPES or planned is None:
-        return z, [1.0] * len(prompt_normalizers)
-    return z, [1.0 if d is None else z / float(d) for d in prompt_normalizers]
-
-
-def prompt_weighted_token_count(loss_tokens: torch.Tensor, prompt_weights: torch.Tensor) -> float:
-    """``sum_n w_n T_n`` over the accepted generation batch (prompt weights ``w = q_bar / q``): the Horvitz-Thompson
-    estimate of the loss-token count of a batch GRPO would have drawn (random: it depends on the acceptance draw).
-    Its mean over an epoch's batches, divided by ``D``, estimates ``E[T_B] / D``, the scale of the planned
-    normalizer (logged as ``dppo/prompt_token_scale``)."""
-    return float((loss_tokens.to(torch.float64) * prompt_weights.to(torch.float64)).sum())
 
 
 def trl_microbatch_token_scale(trl_microbatch_tokens: torch.Tensor, mean_microbatch_tokens: float) -> torch.Tensor:

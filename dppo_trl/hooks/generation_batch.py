@@ -48,6 +48,7 @@ class GenerationBatch:
         audit: GRPO's version of this rank's rows when the batch is audited, else None.
         generation_seconds: TRL's generation and scoring of the batch on this rank (audited batches; else 0).
         logps_seconds: DPPO's deferred log-prob passes over the kept rows on this rank (audited batches; else 0).
+        cut: prompt pruning's cut of the step's candidates (``hooks.prompt_pruning.PromptCut``), or None.
     """
 
     deferred_calls: list = dataclasses.field(default_factory=list)
@@ -64,6 +65,7 @@ class GenerationBatch:
     audit: AuditReference | None = None
     generation_seconds: float = 0.0
     logps_seconds: float = 0.0
+    cut: object | None = None
 
     @property
     def sequence_lengths(self) -> torch.Tensor:

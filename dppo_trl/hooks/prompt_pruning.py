@@ -1,157 +1,221 @@
-"""Prompt pruning's hooks of ``DPPOTrainer``: the training sampler, the schedule and progress bar that follow data
-progress in epoch-based runs, the resume arithmetic, the per-batch prompt decision (weights and token normalizer),
-and the sampler's state for checkpoints. The math is in ``dppo_trl.core.prompts`` and ``dppo_trl.core.estimator``.
+"""Prompt pruning's hooks of ``DPPOTrainer`` (cut mode): the step's candidates are the prompts TRL's own sampler
+yields; a probe of ``prompt_probe_generations`` completions of each is generated and scored first; a fixed-size
+draw accepts ``m`` of each rank's candidates; only the accepted groups are generated (the probe's completions
+spliced back into their groups), scored and trained, weighted ``1 / pi``. The math is in ``dppo_trl.core.prompts``.
 
-Reads of the host trainer: ``args``, ``num_generations``, ``num_iterations``, ``shuffle_dataset``,
-``train_dataset``, ``loss_type``, ``state.global_step``, ``_metrics``; ``_local``, ``_same_on_every_rank`` and
-``_aggregated_rewards`` (the keep decision)."""
+Reads of the host trainer: ``args``, ``accelerator``, ``num_generations``, ``eos_token_ids``, ``_tokenizer``,
+``reward_weights``, ``state``, ``_metrics``, ``_pending_extra_logs``, ``_pending_metrics``; TRL's ``_generate``
+and ``_calculate_rewards``; ``_same_on_every_rank``, ``_seed_of`` and ``_aggregated_rewards`` (the keep decision)."""
 
 from __future__ import annotations
 
-import math
+import contextlib
+import dataclasses
 
 import torch
-from transformers import TrainerCallback
+from accelerate.utils import gather_object
+from trl.extras.profiling import profiling_decorator
 
-from ..core.estimator import prompt_pruning_normalization, prompt_weighted_token_count
-from ..core.prompts import PromptPruningSampler
-from ..core.seeds import derive_seed
+from ..core.prompts import (
+    CutInputs,
+    PromptHistory,
+    accepted_per_rank,
+    cut_decision,
+    expected_candidate_tokens,
+    prompt_key,
+    prompt_score,
+    spread_groups,
+)
 from .generation_batch import GenerationBatch
 
 
-class DataProgressScheduler:
-    """Wraps a step-based LR scheduler so that it follows data progress: each ``step()`` advances it to the
-    number of optimizer steps GRPO would have taken to consume the same prompts. A pruned epoch takes fewer
-    steps but the schedule still reaches its end with the last epoch."""
+@dataclasses.dataclass
+class Probe:
+    """The probe of one step: ``k`` completions of every candidate, generated and scored before the draw.
 
-    def __init__(self, scheduler, target_steps):
-        self.scheduler = scheduler
-        self.target_steps = target_steps
+    Args:
+        rewards: (C, k) every rank's candidates' weighted reward sums (NaN where every function gave None).
+        loss_tokens: (C, k) their loss tokens.
+        completion_ids: this rank's candidates' completions, ``k`` token lists each.
+        logprobs: this rank's candidates' sampling log-probs (``k`` lists each), or None.
+    """
 
-    def step(self, *args, **kwargs):
-        target = self.target_steps()
-        while self.scheduler.last_epoch < target:
-            self.scheduler.step()
-
-    def __getattr__(self, name):
-        return getattr(self.scheduler, name)
+    k: int
+    rewards: torch.Tensor
+    loss_tokens: torch.Tensor
+    completion_ids: list[list[list[int]]]
+    logprobs: list[list[list[float]]] | None
 
 
-class DataProgressBarCallback(TrainerCallback):
-    """Epoch-based runs with prompt pruning: the progress bar (planned for GRPO's step count) shows data
-    progress, the steps GRPO would have taken to walk as far through the data, so it ends full."""
+@dataclasses.dataclass
+class PromptCut:
+    """One step's cut over every rank's candidates (``C = ranks x P``, rank-major).
 
-    def __init__(self, target_steps, callbacks):
-        self.target_steps = target_steps
-        self.callbacks = callbacks
+    Args:
+        keys: the candidates' prompt keys.
+        pi: (C,) float64 inclusion probabilities (``sum = m`` on each rank).
+        accepted: (C,) bool.
+        normalizer: the token count a token-mean loss divides by, fixed before the draw; None when every candidate
+            is accepted (the batch's own count is GRPO's).
+        ranks: the processes.
+        probe: this rank's probe (not sent between ranks), or None.
+    """
 
-    def on_step_end(self, args, state, control, **kwargs):
-        from transformers.trainer_callback import ProgressCallback
+    keys: list[str]
+    pi: torch.Tensor
+    accepted: torch.Tensor
+    normalizer: float | None
+    ranks: int
+    probe: Probe | None = None
 
-        for callback in self.callbacks():
-            bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
-            if bar is not None:
-                bar.n = min(max(self.target_steps(), state.global_step), bar.total or bar.n)
-                bar.refresh()
+    def local(self, rank: int) -> torch.Tensor:
+        """(P,) bool: rank ``rank``'s accepted candidates."""
+        per_rank = self.accepted.numel() // self.ranks
+        return self.accepted[rank * per_rank : (rank + 1) * per_rank]
 
 
 class PromptPruning:
     """Mixed into ``DPPOTrainer``; used only while ``prompt_keep_rate < 1``."""
 
-    _prompt_sampler: PromptPruningSampler | None = None
-    _prompt_resume: tuple[dict, int] | None = None  # a checkpoint's sampler state, until the sampler exists
-    _next_prompt_batch = 0
-    _prompts_walked = 0
+    _prompt_history: PromptHistory | None = None
 
-    def _prompt_pruning_sampler(self, dataset=None) -> PromptPruningSampler:
-        """The training sampler (built once; a checkpoint's state loaded into it)."""
-        if self._prompt_sampler is None:
-            dataset = self.train_dataset if dataset is None else dataset
-            base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
-            self._prompt_sampler = PromptPruningSampler(
-                num_prompts=len(dataset),
-                group_size=self.num_generations,
-                prompts_per_batch=self.args.generation_batch_size // self.num_generations,
-                repeat_count=self.num_iterations * self.args.steps_per_generation,
-                keep_rate=self.args.prompt_keep_rate,
-                keep_floor=self.args.prompt_keep_floor,
-                history_decay=self.args.prompt_history_decay,
-                shuffle=self.shuffle_dataset,
-                seed=self.args.seed,
-                accept_seed=derive_seed("prompt_acceptance", base),
-                max_epochs=None if self.args.max_steps > 0 else math.ceil(self.args.num_train_epochs),
-                score=self.args.prompt_score,
-            )
-            self._prompt_sampler.skip_units = self._resume_skip_units
-            self._prompt_sampler.share = self._same_on_every_rank
-            if self._prompt_resume is not None:
-                self._prompt_sampler.load_state_dict(*self._prompt_resume)
-                self._prompt_resume = None
-        return self._prompt_sampler
+    def _history(self) -> PromptHistory:
+        if self._prompt_history is None:
+            self._prompt_history = PromptHistory(self.args.prompt_history_decay)
+        return self._prompt_history
 
-    def _grpo_equivalent_steps(self) -> int:
-        """Optimizer steps GRPO would have taken to walk as far through the data as this run has."""
-        batches = self._prompts_walked / (self.args.generation_batch_size // self.num_generations)
-        steps_per_batch = self.args.steps_per_generation * self.num_iterations / self.args.gradient_accumulation_steps
-        return math.floor(batches * steps_per_batch + 1e-9)
-
-    def _resume_skip_units(self) -> int:
-        """How many dataloader batches the HF Trainer discards when it resumes (its own arithmetic, on the
-        unpruned epoch length that the sampler reports)."""
-        if self.args.ignore_data_skip:
-            return 0
-        units_per_epoch = len(self._prompt_sampler) // self.args.generation_batch_size
-        steps_per_epoch = max(math.ceil(units_per_epoch / self.args.gradient_accumulation_steps), 1)
-        return (self.state.global_step % steps_per_epoch) * self.args.gradient_accumulation_steps
-
-    def _take_prompt_decision(self, inputs, scores, batch: GenerationBatch) -> tuple[torch.Tensor, float]:
-        """This generation batch's prompt weights (every rank's rows) and its token normalizer, both as the sampler
-        planned them before the epoch's acceptance draw (``estimator.prompt_pruning_normalization``); feeds the
-        group's mean |A| and mean loss tokens back to the history. Checks that the batch is the one planned."""
-        decision = self._prompt_sampler.pop_decision(self._next_prompt_batch)
-        self._next_prompt_batch = decision["number"] + 1
-        self._prompts_walked += decision["walked"]
+    @profiling_decorator
+    def _cut_step(self, inputs: list[dict]) -> tuple[list[dict], PromptCut]:
+        """The step's cut of this rank's candidates ``inputs`` (TRL's rows: ``P`` prompts, ``G`` rows each); returns
+        the accepted rows and the ``PromptCut``."""
         group = self.num_generations
-        rows = [i for i in decision["prompts"] for _ in range(group)]
-        mine = rows[self._local(len(inputs))]
-        if [self.train_dataset[i]["prompt"] for i in mine] != [x["prompt"] for x in inputs]:
-            raise RuntimeError("DPPO prompt sampler and trainer disagree on the generation batch's prompts.")
+        if len(inputs) % group:
+            raise ValueError(
+                f"prompt_keep_rate={self.args.prompt_keep_rate!r} needs whole groups on every rank: each process's "
+                f"generation batch (per_device_train_batch_size x steps_per_generation = {len(inputs)} rows) must be "
+                f"a multiple of num_generations={group}."
+            )
+        candidates = [inputs[i] for i in range(0, len(inputs), group)]
+        keys = gather_object([prompt_key(x["prompt"]) for x in candidates])
+        probe = self._probe(candidates) if self.args.prompt_probe_generations else None
+        cut = self._same_on_every_rank(self._decide_cut(keys, probe, len(candidates)))
+        cut.probe = probe
+        local = cut.local(self.accelerator.process_index).tolist()
+        rows = [row for j, taken in enumerate(local) if taken for row in inputs[j * group : (j + 1) * group]]
+        return rows, cut
+
+    def _decide_cut(self, keys: list[str], probe: Probe | None, candidates_per_rank: int) -> PromptCut:
+        """Scores, inclusion probabilities, the draw and the normalizer, from what is known before the draw."""
+        history = self._history()
+        lengths = probe.loss_tokens.double().mean(1) if probe is not None else history.lengths(keys)
+        ranks = self.accelerator.num_processes
+        if lengths is None:  # nothing known of any candidate: accept them all (the batch's own count is GRPO's)
+            ones = torch.ones(len(keys), dtype=torch.float64)
+            return PromptCut(keys, ones, ones.bool(), None, ranks)
+        scores = prompt_score(self.args.prompt_score)(CutInputs(keys, history, None if probe is None else probe.rewards))
+        accepted = accepted_per_rank(self.args.prompt_keep_rate, candidates_per_rank)
+        generator = torch.Generator().manual_seed(self._seed_of("prompt_cut"))
+        pi, keep = cut_decision(scores, ranks, accepted, self.args.prompt_keep_floor, generator)
+        return PromptCut(keys, pi, keep, expected_candidate_tokens(lengths, self.num_generations), ranks)
+
+    @profiling_decorator
+    def _probe(self, candidates: list[dict]) -> Probe:
+        """Generate and score ``k`` completions of every candidate of this rank (TRL's own generation and reward
+        functions), gathered over ranks; what TRL logs while doing so is left out of the step's logs."""
+        k = self.args.prompt_probe_generations
+        rows = [x for x in candidates for _ in range(k)]
+        prompts = [x["prompt"] for x in rows]
+        with self._generating_groups_of(k), self._logs_untouched():
+            _, completion_ids, _, completions, logprobs, *_ = self._generate(prompts)
+            rewards_per_func = self._calculate_rewards(rows, prompts, completions, completion_ids)
+        rewards = self._aggregated_rewards(GenerationBatch(rewards_per_func=rewards_per_func))
+        tokens = torch.tensor([self._probe_loss_tokens(ids) for ids in completion_ids], device=self.accelerator.device)
+        loss_tokens = self.accelerator.gather(tokens).cpu()
+
+        def per_candidate(values):
+            return None if values is None else [values[j * k : (j + 1) * k] for j in range(len(candidates))]
+
+        return Probe(k, rewards.view(-1, k), loss_tokens.view(-1, k), per_candidate(completion_ids),
+                     per_candidate(logprobs))
+
+    def _probe_loss_tokens(self, ids: list[int]) -> int:
+        """A probe completion's loss tokens: its length, 0 when truncated and ``mask_truncated_completions``."""
+        truncated = not ids or ids[-1] not in [*self.eos_token_ids, self._tokenizer.pad_token_id]
+        return 0 if truncated and self.args.mask_truncated_completions else len(ids)
+
+    @contextlib.contextmanager
+    def _generating_groups_of(self, size: int):
+        """TRL's generation and scoring with groups of ``size`` (vLLM's server mode asks for ``size`` a prompt)."""
+        saved = self.num_generations
+        self.num_generations = size
+        try:
+            yield
+        finally:
+            self.num_generations = saved
+
+    @contextlib.contextmanager
+    def _logs_untouched(self):
+        """What TRL's generation and reward functions log inside is dropped: the probe is not the step's batch."""
+        stores = [self._metrics["train"], self._pending_extra_logs, self._pending_metrics]
+        lengths = [{key: len(values) for key, values in store.items()} for store in stores]
+        tokens_seen = self.state.num_input_tokens_seen
+        try:
+            yield
+        finally:
+            for store, before in zip(stores, lengths):
+                for key in list(store):
+                    if key not in before:
+                        del store[key]
+                    else:
+                        del store[key][before[key] :]
+            self.state.num_input_tokens_seen = tokens_seen
+
+    def _spliced_generation(self, cut: PromptCut, prompt_ids, generate, group: int):
+        """``(completion_ids, logprobs)`` of the accepted rows (``group`` a prompt): the probe's ``k`` completions of
+        each accepted candidate, then ``group - k`` generated now by ``generate(prompt_ids, count)``."""
+        probe, k = cut.probe, cut.probe.k
+        mine = [j for j, taken in enumerate(cut.local(self.accelerator.process_index).tolist()) if taken]
+        rest = [ids for g in range(len(mine)) for ids in prompt_ids[g * group + k : (g + 1) * group]]
+        new_ids, new_logprobs = generate(rest, group - k)
+        completion_ids, logprobs = [], None if new_logprobs is None or probe.logprobs is None else []
+        for g, j in enumerate(mine):
+            completion_ids += probe.completion_ids[j] + list(new_ids[g * (group - k) : (g + 1) * (group - k)])
+            if logprobs is not None:
+                logprobs += probe.logprobs[j] + list(new_logprobs[g * (group - k) : (g + 1) * (group - k)])
+        return completion_ids, logprobs
+
+    def _take_prompt_decision(self, scores: torch.Tensor, batch: GenerationBatch) -> tuple[torch.Tensor, float]:
+        """The accepted rows' prompt weights ``1 / pi`` (every rank's rows) and the token normalizer (the cut's, or
+        the batch's own count when every candidate was accepted); feeds the groups back to the history."""
+        cut, group = batch.cut, self.num_generations
+        accepted_pi = cut.pi[cut.accepted]
+        weights = (1.0 / accepted_pi).repeat_interleave(group)
         loss_tokens = batch.loss_tokens.double()
-        normalizer, factors = prompt_pruning_normalization(
-            self.loss_type, decision["normalizer"], decision["normalizers"], loss_tokens
-        )
-        group_scores = scores.abs().view(-1, group).mean(1).tolist()
-        group_rewards = self._aggregated_rewards(batch).double().view(-1, group).nanmean(1).tolist()
-        self._prompt_sampler.update(
-            decision["prompts"], group_scores, loss_tokens.view(-1, group).mean(1).tolist(), group_rewards
-        )
-        prompt_weights = [w * f for w, f in zip(decision["weights"], factors)]
-        weights = torch.tensor(prompt_weights, dtype=torch.float64).repeat_interleave(group)
-        metrics = self._metrics["train"]
-        metrics["dppo/prompt_keep_rate"].append(decision["accepted_fraction"])
-        metrics["dppo/prompt_q_bar"].append(decision["q_bar"])
-        metrics["dppo/prompt_weight_max"].append(max(prompt_weights))
-        # Its mean over an epoch estimates E[T_B] / D, the scale of the planned normalizer (1 when D is exact).
-        planned_weights = torch.tensor(decision["weights"], dtype=torch.float64).repeat_interleave(group)
-        metrics["dppo/prompt_token_scale"].append(
-            prompt_weighted_token_count(loss_tokens, planned_weights) / max(normalizer, 1.0)
-        )
+        normalizer = float(loss_tokens.sum()) if cut.normalizer is None else cut.normalizer
+        keys = [key for key, taken in zip(cut.keys, cut.accepted.tolist()) if taken]
+        group_rewards = self._aggregated_rewards(batch).double().view(-1, group)
+        self._history().update(keys, scores.abs().view(-1, group).mean(1).tolist(),
+                               loss_tokens.view(-1, group).mean(1).tolist(), group_rewards.nanmean(1).tolist())
+        self._log_cut_metrics(cut, weights, loss_tokens, normalizer, group_rewards)
         return weights, normalizer
 
+    def _log_cut_metrics(self, cut: PromptCut, weights, loss_tokens, normalizer: float, group_rewards) -> None:
+        metrics, group = self._metrics["train"], self.num_generations
+        candidates, accepted = cut.accepted.numel(), int(cut.accepted.sum())
+        k = 0 if cut.probe is None else cut.probe.k
+        generated = candidates * k + accepted * (group - k)
+        metrics["dppo/prompt_accepted_fraction"].append(accepted / candidates)
+        metrics["dppo/prompt_generated_fraction"].append(generated / (candidates * group))
+        metrics["dppo/prompt_flat_fraction"].append(1.0 - float(spread_groups(group_rewards.flatten(), group).double()
+                                                                .mean()) if accepted else 0.0)
+        metrics["dppo/prompt_weight_max"].append(float(weights.max()) if weights.numel() else 0.0)
+        # Its mean over steps estimates E[T] / D, the scale of the fixed normalizer (1 when D is exact).
+        metrics["dppo/prompt_token_scale"].append(float((loss_tokens * weights).sum()) / max(normalizer, 1.0))
+
     def _prompt_pruning_state_dict(self) -> dict | None:
-        """The sampler's state and the walk's position, for a checkpoint (None before the sampler exists)."""
-        if self._prompt_sampler is None:
-            return None
-        return {
-            "sampler": self._prompt_sampler.state_dict(),
-            "next_batch": self._next_prompt_batch,
-            "prompts_walked": self._prompts_walked,
-        }
+        return None if self._prompt_history is None else {"history": self._prompt_history.state_dict()}
 
     def _load_prompt_pruning_state_dict(self, state: dict) -> None:
-        self._next_prompt_batch = state["next_batch"]
-        self._prompts_walked = state["prompts_walked"]
-        if self._prompt_sampler is not None:
-            self._prompt_sampler.load_state_dict(state["sampler"], state["next_batch"])
-        else:
-            self._prompt_resume = (state["sampler"], state["next_batch"])
+        if "history" not in state:  # a checkpoint of the retired fill mode: its history was per dataset row
+            return
+        self._history().load_state_dict(state["history"])
