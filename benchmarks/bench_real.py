@@ -79,6 +79,9 @@ METHODS = {
     "dppo+audit": dict(completion_keep_rate=0.5, audit_every=2),
 }
 PROMPT_PRUNED = {name for name, settings in METHODS.items() if (settings or {}).get("prompt_keep_rate", 1.0) < 1.0}
+# The methods that generate fewer groups a step (the cut, issue 42); the others' records are of the retired fill
+# mode, which generated GRPO's batch every step.
+CUT = {"dppo+cut"}
 # Trainer settings every method of a run gets: TRL's defaults (`dapo`), its other loss types, and GSPO.
 VARIANTS = {
     "dapo": {},
@@ -295,6 +298,8 @@ def speed_figures(args, runs, rows):
         row["phase_ratios"] = median_phase_ratios([phase_ratios(by[row["method"], s], by["grpo", s]) for s in seeds])
         row["phase_seconds"] = {name: statistics.median(phase_means(by[row["method"], s])[name][0] for s in seeds)
                                 for name in (*STEP_PHASES, "step")}
+        # Generation per step over GRPO's, from the same runs (paired by seed; median over seeds).
+        row["generation_ratio"] = None if row["phase_ratios"] is None else row["phase_ratios"]["generation"]
     check = audit_check(runs, rows)
     paired = read_json(args.phases_of) if args.phases_of else None
     project = None
@@ -310,7 +315,9 @@ def speed_figures(args, runs, rows):
                              for m in PROMPT_PRUNED if m in ideal})
         steps = {r["method"]: (r["steps_to_90_ratio_mean"], r["steps_to_90_ratio_se"]) for r in rows
                  if r["method"] != "grpo"}
-        project = projection(steps, training)
+        generation = {r["method"]: tuple(r["generation_ratio"]) for r in rows
+                      if r["method"] in CUT and r.get("generation_ratio")}
+        project = projection(steps, training, generation_ratios=generation)
     return check, project
 
 

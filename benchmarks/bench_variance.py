@@ -72,11 +72,11 @@ from harness import config_default, group_advantages, read_json, result_path, te
 
 from dppo_trl.core.estimator import horvitz_thompson_weights  # noqa: E402
 from dppo_trl.core.packing import assign_microbatches, default_packed_tokens, packed_allocation  # noqa: E402
-from dppo_trl.core.prompts import prompt_acceptance_probabilities  # noqa: E402
 from dppo_trl.core.pruning import (  # noqa: E402
     PruneProblem,
     adaptive_keep_rate,
     get_design,
+    keep_probabilities,
     sampling_designs,
     systematic_sample,
     unbiased_designs,
@@ -281,15 +281,13 @@ def oracle_probabilities(norms: torch.Tensor, cost: torch.Tensor, budget: float)
     return pi
 
 
-# Prompt pruning, per candidate batch: each prompt j is accepted independently with probability q_j and its rows
-# carry 1/q_j. This per-candidate Bernoulli formulation is the per-batch equivalent of the trainer's sampler,
-# which walks the candidates, refills every batch with accepted prompts, and weights them q_bar/q_j: per
-# candidate, acceptance has probability q_j and the weight of an accepted one is 1/q_j up to the common q_bar
-# (which the sampler's extra steps per epoch, 1/q_bar, undo). Its dapo normalizer is prompt_token_normalizer.
+# Prompt pruning, per candidate batch: each prompt j is accepted independently with probability q_j (the history
+# score's clip(score / tau, floor, 1) with mean keep_rate) and its rows carry 1/q_j: the Poisson version of the
+# trainer's fixed-size cut, with the same inclusion probabilities and weights. Its dapo normalizer is
+# prompt_token_normalizer.
 def prompt_acceptance(batch: Batch, keep_rate: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted rows, per-row prompt weight ``1/q_j`` on them, 0 elsewhere)."""
-    seen = torch.ones_like(batch.history, dtype=torch.bool)
-    q = prompt_acceptance_probabilities(batch.history, seen, keep_rate, PROMPT_KEEP_FLOOR)
+    q, _ = keep_probabilities(batch.history, keep_rate, PROMPT_KEEP_FLOOR, zero_score_contributes=True)
     accepted = torch.rand(q.numel(), generator=generator, dtype=torch.float64) < q
     rows = accepted.repeat_interleave(batch.group_size)
     return rows, torch.where(rows, 1.0 / q.repeat_interleave(batch.group_size), 0.0)

@@ -425,8 +425,9 @@ def real_table(data: dict) -> str:
 
 
 REAL_LABELS = {"grpo": "GRPO (TRL)", "dppo": "DPPO (keep 0.5)",
-               "dppo+prompt": "DPPO + prompt pruning (0.5, ema score)",
-               "dppo+calibrated": "DPPO + prompt pruning (0.5, calibrated score)",
+               "dppo+prompt": "DPPO + prompt pruning, retired fill mode (0.5, ema score)",
+               "dppo+calibrated": "DPPO + prompt pruning, retired fill mode (0.5, calibrated score)",
+               "dppo+cut": "DPPO + the cut (2 of 4 prompts, probe of 2)",
                "dppo+audit": "DPPO, every other batch audited"}
 
 
@@ -523,6 +524,32 @@ def projection_table(results: dict) -> str:
     header = ["generation's share of GRPO's step", *(f"{REAL_LABELS.get(m, m)}, {engine}" for engine, m, _ in columns)]
     cell = lambda p: f"{p['time_ratio']:.2f} ± {p['time_ratio_se']:.2f} ({1 / p['time_ratio']:.2f}x)"  # noqa: E731
     body = [[f"{s:.0%}", *(cell(at[s]) for *_, at in columns)] for s in shares]
+    return md_table(header, body)
+
+
+CUT_METHOD = "dppo+cut"
+
+
+def cut_table(results: dict) -> str:
+    """bench_real*_learning.json, the cut (issue 42) per engine: learning per step (steps to 90% of GRPO's rise),
+    the held-out score's paired difference, generation per step over GRPO's (median over seeds of the paired
+    ratio), and the projected time to the training-reward target over GRPO's at a GPU-like generation share."""
+    header = ["generating with", "seeds", "steps to target: reward", "steps: held-out",
+              "held-out minus GRPO's, 95% CI", "generation per step vs GRPO", "generated groups without signal",
+              "projected time to target at 70% generation"]
+    body = []
+    for engine, data in learning_records(results, LEARNING_RUNS[:DEFAULT_LOSS_RUNS]):
+        r = {row["method"]: row for row in data["results"]}.get(CUT_METHOD)
+        if r is None:
+            continue
+        ci = r["heldout_final_diff_ci"]
+        at = next(p for p in data["projection"] if p["method"] == CUT_METHOD and abs(p["generation_share"] - 0.7) < 1e-9)
+        generation = r["generation_ratio"]
+        body.append([engine, str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
+                     _reached(r, "heldout_steps_to_90_ratio"),
+                     "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                     f"{generation[0]:.2f} ± {generation[1]:.2f}", f"{r['zero_variance_share']:.0%}",
+                     f"{at['time_ratio']:.2f} ± {at['time_ratio_se']:.2f} ({1 / at['time_ratio']:.2f}x)"])
     return md_table(header, body)
 
 
@@ -728,6 +755,7 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "headline_speed": (ALL_RESULTS, headline_speed_table),
     "bench_real_projection": (ALL_RESULTS, projection_table),
     "bench_real_prompt_pruning": ("bench_real_learning", prompt_pruning_table),
+    "bench_real_cut": (ALL_RESULTS, cut_table),
     "bench_real_revisits": ("bench_real_learning", revisits_table),
     "bench_real_phases": (ALL_RESULTS, phases_table),
     "bench_prefix": ("bench_prefix", prefix_table),

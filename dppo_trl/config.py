@@ -192,7 +192,7 @@ class DPPOConfig(GRPOConfig):
             of its own earlier groups' mean `|A|` (`prompt_history_decay`); `"calibrated"`, what the prompts whose
             last group looked like its last group (flat or spread, and where its mean reward lay) got at their next
             visit (`docs/prompt_pruning.md`, "Scores").
-        prompt_probe_generations (`int` or `None`, *optional*, defaults to `None`):
+        prompt_probe_generations (`int`, *optional*):
             Completions `k` of every candidate generated first and scored, for `prompt_score="probe"`; an accepted
             prompt keeps them in its group and generates the other `num_generations - k`. In
             `[2, num_generations)` for the probe score, `0` for a history score; `None`: 2 for the probe, else 0.
@@ -301,20 +301,19 @@ class DPPOConfig(GRPOConfig):
         default=_DEFAULT_PROMPT_KEEP_FLOOR,
         metadata={"help": "Smallest acceptance probability of a prompt under prompt pruning."},
     )
-    prompt_history_decay: float = field(
-        default=_DEFAULT_PROMPT_HISTORY_DECAY,
-        metadata={"help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."},
-    )
     prompt_score: str = field(
         default="probe",
-        metadata={"help": "Prompt pruning's predictor of a candidate's signal: 'probe' (its probe's rewards differ), "
-                  "'ema' (its own history) or 'calibrated' (measured over the run by the look of its last group)."},
+        metadata={"help": "Prompt pruning's predictor: 'probe' (its probe's rewards differ), 'ema' or 'calibrated' "
+                  "(its history)."},
     )
     prompt_probe_generations: int | None = field(
         default=None,
-        metadata={"help": "Prompt pruning: completions of every candidate generated and scored first (the probe), "
-                  "kept in the group of an accepted prompt; 0 with a history prompt_score; None: 2 for the probe, "
-                  "else 0."},
+        metadata={"help": "Prompt pruning: completions of each candidate generated first (the probe); None: 2 for "
+                  "the probe, else 0."},
+    )
+    prompt_history_decay: float = field(
+        default=_DEFAULT_PROMPT_HISTORY_DECAY,
+        metadata={"help": "Weight of the old value in a prompt's moving-average score and length (prompt pruning)."},
     )
     packing: bool = field(
         default=True,

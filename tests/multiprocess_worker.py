@@ -60,22 +60,16 @@ class Worker(Recorder, DPPOTrainer):
         append(self, "own_masks", decision[0].int().tolist())  # before the broadcast
         return decision
 
-    def _get_train_sampler(self, dataset=None):
-        sampler = super()._get_train_sampler(dataset)
-        if self.args.prompt_pruning and not getattr(sampler, "recorded", False):  # each epoch's own q, unshared
-            shared = sampler.share
+    def _decide_cut(self, keys, probe, candidates_per_rank):
+        cut = super()._decide_cut(keys, probe, candidates_per_rank)
+        append(self, "own_q", cut.pi.tolist())  # this rank's own acceptance probabilities, before the broadcast
+        return cut
 
-            def share(value):
-                append(self, "own_q", value[0].tolist())
-                return shared(value)
-
-            sampler.share, sampler.recorded = share, True
-        return sampler
-
-    def _take_prompt_decision(self, inputs, scores, batch):
+    def _take_prompt_decision(self, scores, batch):
         if self.perturb_rank == self.accelerator.process_index:  # the history this rank keeps, one ulp off
             scores = torch.nextafter(scores, torch.full_like(scores, float("inf")))
-        return super()._take_prompt_decision(inputs, scores, batch)
+        append(self, "generated_groups", int(batch.cut.local(self.accelerator.process_index).sum()))
+        return super()._take_prompt_decision(scores, batch)
 
     def _draw_keep_mask(self, output, batch, advantages):
         if self.perturb_rank == self.accelerator.process_index:  # one ulp up: zeros become tiny positive scores
@@ -127,6 +121,7 @@ def main(argv):
     parser.add_argument("max_steps", type=int)
     parser.add_argument("tolerance", type=float, nargs="?", default=DPPOTrainer.RANK_BALANCE_TOLERANCE)
     parser.add_argument("--prompt-keep-rate", type=float, default=1.0)
+    parser.add_argument("--prompt-score", default="probe")
     parser.add_argument("--stop", type=int, default=None)
     parser.add_argument("--steps-per-generation", type=int, default=2)
     parser.add_argument("--fsdp", action="store_true")
@@ -160,6 +155,7 @@ def main(argv):
         completion_keep_rate=float(a.rate),
         prune_sampling=a.sampling,
         prompt_keep_rate=a.prompt_keep_rate,
+        prompt_score=a.prompt_score,
         prefix_sharing=False if a.no_prefix_sharing else None,
         top_entropy_quantile=a.top_entropy_quantile,
         **sharding,
@@ -194,8 +190,10 @@ def main(argv):
         "masks": [m for t in trainers for m in t.masks],
         "own_masks": [m for t in trainers for m in t.own_masks],
         "prompt_decisions": [
-            [w.tolist(), float(n)] for t in trainers for w, n in t.__dict__.get("prompt_decisions", [])
+            [w.tolist(), float(n), cut.accepted.tolist()] for t in trainers
+            for w, n, cut in t.__dict__.get("prompt_decisions", [])
         ],
+        "generated_groups": [g for t in trainers for g in t.__dict__.get("generated_groups", [])],
         "own_q": [q for t in trainers for q in t.__dict__.get("own_q", [])],
         "local_kept": [k for t in trainers for k in t.local_kept],
         "local_kept_tokens": [k for t in trainers for k in t.local_kept_tokens],

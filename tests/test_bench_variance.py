@@ -114,10 +114,10 @@ def test_prompt_pruning_under_dapo_is_unbiased_for_the_planned_normalizer():
     ``N_b / D_b``: the batch gradient times ``T_b / D_b`` (its only bias, the history's length error); the
     prompt-weighted count it used before does not (a ratio estimate)."""
     from dppo_trl import DPPOConfig
-    from dppo_trl.core.prompts import prompt_acceptance_probabilities
+    from dppo_trl.core.pruning import keep_probabilities
 
     batch = synthetic_batch()
-    q = prompt_acceptance_probabilities(batch.history, torch.ones(4, dtype=torch.bool), 0.5, DPPOConfig.prompt_keep_floor)
+    q, _ = keep_probabilities(batch.history, 0.5, DPPOConfig.prompt_keep_floor, zero_score_contributes=True)
     target = float(batch.completion_tokens.sum()) / bv.prompt_token_normalizer(batch)
     expected, ratio = torch.zeros(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
     for pattern in itertools.product([False, True], repeat=4):

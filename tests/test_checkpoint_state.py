@@ -15,7 +15,6 @@ from dppo_trl.hooks.checkpoint import STATE_FILE, load_dppo_state
 pytestmark = pytest.mark.slow
 
 AUDIT_TIME_RECORDS = ("train_time_ratio", "step_time_ratio", "generation_share")
-CALIBRATION_STATE = ("cells", "calibration", "calibration_seen", "reward_range")  # prompt sampler, newer
 OLD_FILES = {"prompt_pruning": "dppo_prompt_sampler.json", "audit": "dppo_audit.pt"}
 
 
@@ -44,7 +43,21 @@ def resumed_parameters(kind, model_dir, output_dir, checkpoint):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
 
 
-@pytest.mark.parametrize("kind", sorted(golden.CHECKPOINTED))
+def test_a_checkpoint_of_the_retired_prompt_sampler_resumes_with_an_empty_history(tiny_model_dir, tmp_path,
+                                                                                   caplog):
+    """The two-file checkpoints held the fill mode's sampler (a history per dataset row): resuming from one warns
+    and goes on with the cut and an empty history."""
+    golden.checkpointed_trainer("prompt_pruning", str(tiny_model_dir), tmp_path / "run").train()
+    old = tmp_path / "old-checkpoint-4"
+    shutil.copytree(tmp_path / "run" / "checkpoint-4", old)
+    (old / STATE_FILE).unlink()
+    shutil.copy(golden.OLD_CHECKPOINT / OLD_FILES["prompt_pruning"], old / OLD_FILES["prompt_pruning"])
+    with caplog.at_level("WARNING"):
+        _, trainer = resumed_parameters("prompt_pruning", str(tiny_model_dir), tmp_path / "from-old", old)
+    assert trainer.state.global_step == 8 and "empty history" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["audit"])
 def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_model_dir, tmp_path, exact_logprobs):
     golden.checkpointed_trainer(kind, str(tiny_model_dir), tmp_path / "run").train()
     new = tmp_path / "run" / "checkpoint-4"
@@ -60,9 +73,6 @@ def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_mod
     if kind == "audit":  # the time ratios came after the old format, and a run's timings are its machine's
         new_records = new_state["audit"]["records"]
         assert all(isinstance(new_records.pop(name), list) for name in AUDIT_TIME_RECORDS)
-    if kind == "prompt_pruning":  # the calibrated score's state came after the old format
-        sampler = new_state["prompt_pruning"]["sampler"]
-        assert [type(sampler.pop(name)) for name in CALIBRATION_STATE] == [list, list, list, list]
     assert_same_state(old_state, new_state)
 
     from_new, trainer_new = resumed_parameters(kind, str(tiny_model_dir), tmp_path / "from-new", new)

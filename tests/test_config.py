@@ -195,15 +195,11 @@ def test_the_audit_refuses_what_it_cannot_measure_yet(kwargs):
 
 def test_trainer_rejects_bad_setups_before_loading_any_model(tmp_path):
     """The model path does not exist: an error about it would mean the model was loaded first."""
-    from datasets import Dataset, IterableDataset
-
     from dppo_trl import DPPOTrainer
 
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(TypeError, match="GRPOConfig"):
         DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=dict(VALIDATION))
-    rows = Dataset.from_dict({"prompt": ["1+1="] * 8})
-    streaming = IterableDataset.from_generator(lambda: iter(rows))
-    with pytest.raises(ValueError, match="prompt_keep_rate"):
+    with pytest.raises(ValueError, match="prompt_probe_generations"):
         DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=make(prompt_keep_rate=0.5),
-                    train_dataset=streaming)
+                    rollout_func=lambda prompts, trainer: {})

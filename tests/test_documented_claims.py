@@ -136,8 +136,8 @@ def test_multimodal_batches_are_refused_on_the_whole_dppo_training_path(tmp_path
     assert trainer.args.dppo_training_path
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", multimodal_output)
     trainer.model.train()
-    with pytest.raises(NotImplementedError, match="multimodal"):
-        trainer._generate_and_score_completions([])
+    with pytest.raises(NotImplementedError, match="multimodal"):  # prompt pruning refuses before generating
+        trainer._generate_and_score_completions([{"prompt": "1+1=", "image": None}] * 8)
 
 
 def test_multimodal_batches_pass_where_the_trainer_is_grpos_own(tmp_path, tiny_model_dir, train_dataset, monkeypatch):
@@ -237,13 +237,13 @@ class EntropyBonusRecorder(recording(batch_keys=("completion_mask",), record_pro
 def test_the_entropy_bonus_divides_by_the_planned_token_count_under_prompt_pruning(tmp_path, tiny_model_dir,
                                                                                    train_dataset):
     """`docs/prompt_pruning.md`: the same D as the policy term. One micro-batch per generation batch (spg = GA = 1,
-    one process), so the bonus is coef x (weighted entropy sum) / D; in the first epoch (nothing seen) D is the
-    batch's own count, later the planned one, which differs from it."""
+    one process), so the bonus is coef x (weighted entropy sum) / D, D the count fixed before the acceptance draw
+    (from the probe), which differs from the accepted batch's own."""
     coef = 0.1
     trainer = train(EntropyBonusRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
                     prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo", entropy_coef=coef,
                     learning_rate=0.0)
-    planned_counts = [count for _, count in trainer.prompt_decisions]
+    planned_counts = [count for _, count, _ in trainer.prompt_decisions]
     own_tokens = [float(r["completion_mask"].sum()) for r in trainer.records]
     assert len(trainer.bonuses) == len(planned_counts) == len(own_tokens) == 6
     for (bonus, weighted), planned, own in zip(trainer.bonuses, planned_counts, own_tokens):

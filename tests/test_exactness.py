@@ -23,13 +23,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOTrainer
 from dppo_trl.core.packing import packed_allocation, plan_forward_calls
-from dppo_trl.core.estimator import (
-    SUPPORTED_LOSS_TYPES,
-    full_batch_normalizer,
-    horvitz_thompson_weights,
-    prompt_weighted_token_count,
-)
-from dppo_trl.core.prompts import PromptPruningSampler
+from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES, full_batch_normalizer, horvitz_thompson_weights
 from dppo_trl.core.pruning import zero_spread_rows
 from dppo_trl.hooks.generation_batch import GenerationBatch
 
@@ -91,75 +85,24 @@ def test_flash_semantics_trains_like_sdpa(tmp_path, tiny_model_dir, train_datase
 
 
 # ------------------------------------------------------- 2. prompt pruning and the token-mean normalizer
-PROMPTS, PER_BATCH = 128, 16
-TOKENS = torch.tensor([10] * (PROMPTS // 2) + [100] * (PROMPTS // 2), dtype=torch.float64)  # short, then long
-# Each prompt's summed per-token terms (a linear stand-in for its gradient): 0 for the zero-variance prompts.
-G = torch.cat([torch.zeros(PROMPTS // 2), torch.linspace(0.5, 1.5, PROMPTS // 2, dtype=torch.float64) * 100])
+# The expected step per loss type, by enumeration: tests/test_prompt_pruning.py.
+NormalizerRecorder = recording(batch_keys=("num_items_in_batch", "completion_mask"), record_prompt_decisions=True)
 
 
-@functools.lru_cache(maxsize=1)
-def _planned_batches(seeds=300):
-    """(prompts, weights, planned token count) of every batch the real sampler plans over ``seeds`` epochs, with
-    the short prompts' history at 0 (acceptance at the floor 0.1) and the long ones' at 1, and each prompt's
-    loss-token history its length."""
-    batches = []
-    for seed in range(seeds):
-        sampler = PromptPruningSampler(PROMPTS, 1, PER_BATCH, 1, keep_rate=0.5, keep_floor=0.1, history_decay=0.0,
-                                       seed=seed, accept_seed=10_000 + seed, max_epochs=1)
-        sampler.update(list(range(PROMPTS)), [0.0] * (PROMPTS // 2) + [1.0] * (PROMPTS // 2), TOKENS.tolist())
-        batches += [(torch.tensor(b["prompts"]), torch.tensor(b["weights"], dtype=torch.float64), b["normalizer"])
-                    for b in sampler._plan_epoch()]
-    return batches
-
-
-def _prompt_pruning_step_means(loss_type, planned):
-    """Mean step 'gradient' under prompt pruning and under GRPO's uniform batches, normalized as DPPO
-    normalizes ``loss_type`` (the planned token count, or the accepted batch's raw count)."""
-
-    def step(prompts, w, count):
-        count = float(TOKENS[prompts].sum()) if count is None else count
-        return float((w * G[prompts]).sum()) / full_batch_normalizer(loss_type, PER_BATCH, 128, count, 1, 1, 1)
-
-    dppo = [step(p, w, d if planned else None) for p, w, d in _planned_batches()]
-    generator = torch.Generator().manual_seed(0)
-    grpo = [step(torch.randperm(PROMPTS, generator=generator)[:PER_BATCH], torch.ones(PER_BATCH, dtype=torch.float64),
-                 None) for _ in range(20_000)]
-    return sum(dppo) / len(dppo), sum(grpo) / len(grpo)
-
-
-@pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
-def test_prompt_pruning_keeps_the_expected_step_gradient_for_every_loss_type(loss_type):
-    dppo, grpo = _prompt_pruning_step_means(loss_type, planned=True)
-    assert dppo == pytest.approx(grpo, rel=0.02)
-
-
-def test_the_accepted_batchs_raw_token_count_would_be_biased():
-    """The scenario discriminates: normalizing dapo by the accepted batch's own token count is far off."""
-    dppo, grpo = _prompt_pruning_step_means("dapo", planned=False)
-    assert abs(dppo / grpo - 1) > 0.1
-
-
-class NormalizerRecorder(recording(batch_keys=("num_items_in_batch", "completion_mask"), record_prompt_decisions=True)):
-    """Also the token count prompt pruning planned for each generation batch, read before the decision."""
-
-    def _take_prompt_decision(self, inputs, scores, batch):
-        append(self, "planned", self._prompt_sampler.decisions[self._next_prompt_batch]["normalizer"])
-        return super()._take_prompt_decision(inputs, scores, batch)
-
-
-def test_trainer_normalizes_by_the_planned_token_count(tmp_path, tiny_model_dir, train_dataset):
-    """The token count is the sampler's planned D (fixed before the epoch's acceptance draw), not the accepted
-    batch's prompt-weighted count; in the first epoch (nothing seen, every prompt accepted) it is GRPO's own."""
-    trainer = train(NormalizerRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(4)), max_steps=6,
+def test_trainer_normalizes_by_the_token_count_fixed_before_the_draw(tmp_path, tiny_model_dir, train_dataset):
+    """dapo under the cut: the token count is the candidates' expected one from the probe (G x the sum over every
+    candidate of its probe's mean loss tokens), fixed before the acceptance draw, not the accepted batch's own
+    count nor its weighted count."""
+    trainer = train(NormalizerRecorder, tmp_path, tiny_model_dir, train_dataset.select(range(8)), max_steps=4,
                     prompt_keep_rate=0.5, completion_keep_rate=1.0, loss_type="dapo")
-    seen = [(float(r["num_items_in_batch"]), r["completion_mask"].sum(1)) for r in trainer.records]
-    weights = [w for w, _ in trainer.prompt_decisions]
-    assert len(seen) == len(weights) == len(trainer.planned) == 6
-    for (normalizer, tokens), planned in zip(seen, trainer.planned):
-        assert normalizer == (float(tokens.sum()) if planned is None else planned)
-    assert trainer.planned[0] is None and any(p is not None for p in trainer.planned)
-    assert any(bool((w != 1).any()) for w in weights)  # the later epochs are weighted
-    assert any(normalizer != prompt_weighted_token_count(tokens, w) for (normalizer, tokens), w in zip(seen, weights))
+    assert len(trainer.records) == len(trainer.prompt_decisions) == 4
+    differs = False
+    for record, (weights, count, cut) in zip(trainer.records, trainer.prompt_decisions):
+        expected = trainer.num_generations * float(cut.probe.loss_tokens.double().mean(1).sum())
+        assert float(record["num_items_in_batch"]) == count == pytest.approx(expected, rel=1e-12)
+        tokens = record["completion_mask"].sum(1).double()
+        differs |= count not in (float(tokens.sum()), float((tokens * weights).sum()))
+    assert differs
 
 
 @pytest.mark.parametrize("setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"}])

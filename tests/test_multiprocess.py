@@ -113,14 +113,18 @@ def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_
 
 @pytest.mark.slow
 def test_two_ranks_resume_with_prompt_pruning_as_if_never_stopped(tmp_path, tiny_model_dir):
-    """12 steps uninterrupted vs 6 steps, checkpoint, stop, resume to 12 (the stop is inside the second epoch,
-    where prompt pruning has history to act on): the same prompts on each rank, masks and parameters."""
+    """The cut with the probe on two ranks, 12 steps uninterrupted vs 6 steps, checkpoint, stop, resume to 12: every
+    rank generates the same number of groups at each step (m of its P candidates), both ranks share one decision,
+    and the resumed run has the same candidates, acceptance sets, masks and parameters."""
     whole, params = torchrun(tmp_path / "whole", tiny_model_dir, "systematic", 0.5, 12, "--prompt-keep-rate", 0.5)
     split, resumed = torchrun(tmp_path / "split", tiny_model_dir, "systematic", 0.5, 12, "--prompt-keep-rate", 0.5,
                               "--stop", 6)
     assert whole[0]["steps"] == split[0]["steps"] == 12
+    assert whole[0]["generated_groups"] == whole[1]["generated_groups"] == [2] * len(whole[0]["generated_groups"])
+    assert whole[0]["prompt_decisions"] == whole[1]["prompt_decisions"]
     for rank in range(2):
         assert split[rank]["prompts"] == whole[rank]["prompts"] and split[rank]["masks"] == whole[rank]["masks"]
+        assert split[rank]["prompt_decisions"] == whole[rank]["prompt_decisions"]
     for name, p in params.items():
         torch.testing.assert_close(resumed[name], p, rtol=1e-5, atol=1e-6)
 
@@ -210,12 +214,12 @@ def test_ranks_whose_floats_differ_in_the_last_bit_share_one_decision(tmp_path, 
     decisions: the same masks, prompts, prompt weights and normalizers bit for bit, the same forward calls, no
     hang, the same parameters (torchrun checks masks, calls and parameters)."""
     ranks, _ = torchrun(tmp_path, tiny_model_dir, "balanced", 0.5, 12, "--prompt-keep-rate", 0.5, "--perturb-rank", 1,
-                        "--beta", 0, timeout=180)
+                        "--beta", 0, "--prompt-score", "ema", timeout=180)
     assert ranks[0]["own_masks"] == ranks[0]["masks"]  # the main process's own decision is the shared one
     assert ranks[1]["own_masks"] != ranks[0]["own_masks"]  # one ulp changed rank 1's own draw
     assert ranks[1]["own_q"] != ranks[0]["own_q"]  # and its own acceptance probabilities
     assert ranks[0]["prompt_decisions"] == ranks[1]["prompt_decisions"] and ranks[0]["prompt_decisions"]
-    assert min(w for weights, _ in ranks[0]["prompt_decisions"] for w in weights) < 1.0  # prompts were pruned
+    assert max(w for weights, *_ in ranks[0]["prompt_decisions"] for w in weights) > 1.0  # prompts were cut
 
 
 def test_two_ranks_audit_the_same_batches_with_the_same_sketch(tmp_path, tiny_model_dir):

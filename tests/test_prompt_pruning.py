@@ -1,347 +1,237 @@
-"""Prompt-level pruning before rollout: history, acceptance, unbiasedness of the sampler, the trainer wiring,
-checkpoint and resume."""
+"""Prompt pruning's cut (issue 42): the fixed-size design, the scores and the history (pure), the expected step
+by exact enumeration against GRPO's over every candidate (float64, per loss type, with completion pruning), the
+trainer's groups against GRPOTrainer's (the probe's completions included), resume, and TRL's own test shapes."""
 
 import itertools
+import json
 import math
 
 import pytest
 import torch
-from support.configs import cpu_config, validation_config
+from support.configs import N_ROWS, cpu_config, validation_config
 from support.models import addition_prompts
+from support.oracle import assert_exact, dppo_loss_and_grad, make_trainer, synthetic_batch
+from support.outcomes import poisson_outcomes
 from support.recording import BATCH_KEYS, recording
-from support.rewards import coarse_reward
+from support.rewards import coarse_reward, constant_reward, random_reward
 from support.training import StopAt, params_of, train
-from trl.trainer.utils import RepeatSampler
+from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOTrainer
+from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES, horvitz_thompson_weights
+from dppo_trl.core.pruning import keep_probabilities
 from dppo_trl.core.prompts import (
-    PromptPruningSampler,
+    CutInputs,
+    PromptHistory,
+    accepted_per_rank,
+    cut_probabilities,
+    fixed_size_sample_at,
     history_cell,
-    prompt_acceptance_probabilities,
+    prompt_key,
+    prompt_score,
     register_prompt_score,
-    update_history,
+    spread_groups,
 )
 
 
-def test_history_is_an_exponential_moving_average():
-    scores, seen = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.bool)
-    update_history(scores, seen, [1], [0.8], decay=0.5)
-    assert scores.tolist() == [0.0, 0.8, 0.0] and seen.tolist() == [False, True, False]
-    update_history(scores, seen, [1, 2], [0.2, 0.0], decay=0.5)
-    assert scores.tolist() == pytest.approx([0.0, 0.5, 0.0])
-    assert seen.tolist() == [False, True, True]
+def fixed_size_outcomes(pi, size, min_width=1e-15):
+    """Every outcome of ``fixed_size_sample`` with its exact probability: each order (``1 / P!``) times each piece
+    of the start point between the breakpoints of the scaled cumulative sums."""
+    n = pi.numel()
+    for order in itertools.permutations(range(n)):
+        order = torch.tensor(order)
+        upper = torch.cumsum(pi.double()[order], 0)
+        upper = upper * (size / float(upper[-1]))
+        cuts = sorted({0.0, 1.0, *[float(c) % 1.0 for c in upper]})
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            if hi - lo > min_width:
+                yield (hi - lo) / math.factorial(n), fixed_size_sample_at(pi, size, order, 0.5 * (lo + hi))
 
 
-def test_acceptance_is_one_for_unseen_prompts_and_calibrated_on_seen_ones():
-    scores = torch.tensor([0.0, 0.1, 0.5, 1.0, 2.0, 0.0], dtype=torch.float64)
-    seen = torch.tensor([True, True, True, True, True, False])
-    q = prompt_acceptance_probabilities(scores, seen, keep_rate=0.5, keep_floor=0.1)
-    assert q[5] == 1.0
-    assert float(q[seen].mean()) == pytest.approx(0.5)
-    assert q[0] == pytest.approx(0.1)  # a prompt that taught nothing keeps the floor
-    assert torch.all(torch.diff(q[:5]) >= 0)
+# ------------------------------------------------------------------ the design, the scores, the history (pure)
+@pytest.mark.parametrize("scores,size", [([1.0, 0.0, 0.0, 1.0], 2), ([0.3, 2.0, 0.0, 0.7, 1.1], 2), ([1.0] * 4, 1),
+                                         ([0.0, 0.0, 5.0], 1)])
+def test_the_fixed_size_design_draws_exactly_m_with_inclusion_probabilities_pi(scores, size):
+    """Every order and start point enumerated: each outcome accepts exactly ``m`` candidates, and candidate ``j``
+    is accepted with probability exactly ``pi_j`` (float64); ``pi`` sums to ``m`` and respects the floor."""
+    pi = cut_probabilities(torch.tensor(scores), size, floor=0.1)
+    assert float(pi.sum()) == pytest.approx(size, abs=1e-12) and float(pi.min()) >= 0.1 - 1e-15
+    inclusion, total = torch.zeros_like(pi), 0.0
+    for prob, accepted in fixed_size_outcomes(pi, size):
+        assert int(accepted.sum()) == size
+        inclusion += prob * accepted.double()
+        total += prob
+    assert total == pytest.approx(1.0, abs=1e-12)
+    torch.testing.assert_close(inclusion, pi, rtol=0, atol=1e-12)
 
 
-def make_sampler(n=6, batch=1, **kwargs):
-    args = dict(
-        num_prompts=n,
-        group_size=2,
-        prompts_per_batch=batch,
-        repeat_count=1,
-        keep_rate=0.5,
-        keep_floor=0.1,
-        history_decay=0.0,
-        seed=3,
-        accept_seed=4,
-    )
-    args.update(kwargs)
-    return PromptPruningSampler(**args)
+def test_equal_scores_accept_m_of_p_and_m_rounds_the_rate():
+    assert torch.equal(cut_probabilities(torch.ones(4), 2, 0.1), torch.full((4,), 0.5, dtype=torch.float64))
+    assert [accepted_per_rank(0.5, p) for p in (1, 2, 3, 4, 5)] == [1, 1, 2, 2, 2]
+    assert accepted_per_rank(0.01, 8) == 1 and accepted_per_rank(0.99, 8) == 8
 
 
-def test_first_epoch_accepts_everything_in_repeat_samplers_order():
-    sampler = make_sampler(n=10, batch=2, repeat_count=3)
-    reference = RepeatSampler(range(10), mini_repeat_count=2, batch_size=2, repeat_count=3, shuffle=True, seed=3)
-    for _ in range(2):  # nothing seen: q = 1 everywhere, nothing skipped, epoch after epoch in the same order
-        assert list(sampler) == list(reference)
-    assert len(sampler) == len(reference)
+def test_the_probe_score_marks_groups_whose_rewards_differ():
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [float("nan"), 0.5], [0.2, float("nan")], [0.0, 0.0]])
+    assert spread_groups(rewards.flatten(), 2).tolist() == [False, True, False, False, False]
+    scores = prompt_score("probe")(CutInputs(["a"] * 5, PromptHistory(0.5), rewards))
+    assert scores.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
 
 
-def test_prompts_with_q_one_are_never_skipped():
-    sampler = make_sampler(n=8)
-    list(sampler)
-    sampler.update(range(8), [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 5.0], [3.0] * 8)  # two prompts get q = 1
-    q = sampler.acceptance()
-    always = [i for i in range(8) if q[i] == 1.0]
-    assert always == [6, 7]
-    for _ in range(30):
-        sampler.decisions.clear()
-        accepted = {i for i in sampler}
-        assert set(always) <= accepted
+def test_history_scores_fall_back_to_the_mean_of_the_seen_prompts():
+    history = PromptHistory(decay=0.5)
+    history.update(["a", "b"], [0.4, 0.0], [10.0, 4.0], [0.5, 1.0])
+    history.update(["a"], [0.8], [6.0], [0.25])
+    assert history.prompts["a"]["score"] == pytest.approx(0.6) and history.prompts["a"]["length"] == pytest.approx(8.0)
+    ema = prompt_score("ema")(CutInputs(["a", "b", "new"], history, None))
+    assert ema.tolist() == pytest.approx([0.6, 0.0, 0.3])
+    assert history.lengths(["a", "new"]).tolist() == pytest.approx([8.0, 6.0])
+    assert PromptHistory(0.5).lengths(["a"]) is None
+    # "a"'s first group was spread with a mean reward in the top bin: its cell's measure is the next visit's |A|.
+    assert history.calibration[history_cell(0.4, 0.5, 0.5, 1.0)] == pytest.approx(0.8)
+    calibrated = prompt_score("calibrated")(CutInputs(["a", "b"], history, None))
+    assert calibrated.tolist() == pytest.approx([0.8, 0.8])  # b's cell has no measure yet: the mean of the others
 
 
-def test_a_groups_cell_is_flat_or_spread_times_its_reward_bin():
-    assert history_cell(0.0, 0.0, 0.0, 1.0) == 1  # every completion failed: flat, lowest bin
-    assert history_cell(0.0, 1.0, 0.0, 1.0) == 7  # every completion solved: flat, highest bin
-    assert history_cell(0.9, 0.375, 0.0, 1.0) == 2  # spread, second bin
-    assert history_cell(0.5, 0.875, 0.0, 1.0) == 6
-    assert history_cell(0.5, float("nan"), 0.0, 1.0) == 0 and history_cell(0.0, 0.3, 0.3, 0.3) == 1
-
-
-def _revisited(score="calibrated", **kwargs):
-    """Four prompts seen twice on rewards in [0, 1]: prompt 0 failed every time then spread (1.0), prompt 1
-    spread then solved (0.0), prompt 2 solved twice (0.0), prompt 3 seen once (spread)."""
-    sampler = make_sampler(n=4, score=score, **kwargs)
-    sampler.update([0, 1, 2, 3], [0.0, 0.8, 0.0, 0.7], [3.0] * 4, [0.0, 0.5, 1.0, 0.875])
-    sampler.update([0, 1, 2], [1.0, 0.0, 0.0], [3.0] * 3, [0.5, 1.0, 1.0])
-    return sampler
-
-
-def test_the_calibrated_score_is_what_the_cell_of_the_last_group_got_at_the_next_visit():
-    sampler = _revisited()
-    flat_low, spread_mid, flat_high = 1, 4, 7
-    assert sampler.calibration_seen.nonzero().flatten().tolist() == [flat_low, spread_mid, flat_high]
-    assert sampler.calibration[[flat_low, spread_mid, flat_high]].tolist() == [1.0, 0.0, 0.0]
-    assert sampler.cells.tolist() == [spread_mid, flat_high, flat_high, 6]
-    # Prompt 0 now sits in a cell whose next visit scored 0, prompt 3 in a cell never revisited: no prediction,
-    # q = 1 like a prompt never seen. The ema score knows only each prompt's own past.
-    q = sampler.acceptance()
-    assert q[3] == 1.0 and q[0] == q[1] == q[2]
-    ema = _revisited("ema").acceptance()
-    assert ema[0] > ema[3] > ema[1] == ema[2]
-    sampler.update([1], [0.0], [3.0], [1.0])  # a cell's moving average of the next visit's mean |A|
-    sampler.update([0], [0.9], [3.0], [0.5])
-    assert float(sampler.calibration[spread_mid]) == pytest.approx(0.8 * 0.0 + 0.2 * 0.9)
+def test_the_history_round_trips_through_json_and_keys_are_stable():
+    history = PromptHistory(decay=0.5)
+    history.update([prompt_key("x"), prompt_key([{"role": "user", "content": "x"}])], [0.5, 0.0], [3.0, 4.0],
+                   [0.5, float("nan")])
+    resumed = PromptHistory(decay=0.5)
+    resumed.load_state_dict(json.loads(json.dumps(history.state_dict())))
+    assert resumed.state_dict() == history.state_dict()
+    assert prompt_key("x") != prompt_key([{"role": "user", "content": "x"}]) and prompt_key("x") == prompt_key("x")
 
 
 def test_prompt_scores_refuse_a_taken_name_and_an_unknown_one():
-    with pytest.raises(ValueError, match="'ema' is taken"):
-        register_prompt_score("ema")(lambda sampler: (sampler.scores, sampler.seen))
-    with pytest.raises(ValueError, match="prompt_score='last'.*'ema', 'calibrated'"):
-        make_sampler(score="last")
+    with pytest.raises(ValueError, match="probe"):
+        register_prompt_score("probe", needs_probe=True)(lambda inputs: None)
+    with pytest.raises(ValueError, match="prompt_score"):
+        prompt_score("last")
 
 
-def _gradient_table(n):
-    return torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+# ------------------------------------------------------------------ the expected step, by exact enumeration
+# The oracle batch: 3 groups of 2 rows (support.oracle.synthetic_batch); each acceptance set's batch holds only the
+# accepted groups' rows, weighted 1 / pi, normalized by the full candidates' count (D fixed before the draw).
+GROUP = 2
+# bnpo's count is per micro-batch: exact at one micro-batch, approximate otherwise (docs/prompt_pruning.md).
+EXACT_CASES = [(t, spg) for t in SUPPORTED_LOSS_TYPES for spg in (1, 3) if not (t == "bnpo" and spg > 1)]
 
 
-def test_epoch_sum_is_exactly_unbiased_over_all_acceptance_outcomes():
-    """For a fixed history and order, enumerate every accept/reject outcome of one epoch: the expected weighted
-    sum of per-prompt gradients is q_bar times GRPO's epoch sum, and the expected number of steps is q_bar
-    times GRPO's, so a step's expected gradient equals GRPO's."""
-    n = 5
-    g = _gradient_table(n)
-    scores = torch.tensor([0.0, 0.3, 0.9, 2.0, 0.05], dtype=torch.float64)
-    q = prompt_acceptance_probabilities(scores, torch.ones(n, dtype=torch.bool), 0.5, 0.1)
-    q_bar = float(q.mean())
-    expected_sum, expected_steps = torch.zeros(3, dtype=torch.float64), 0.0
-    for outcome in itertools.product([False, True], repeat=n):
-        prob = math.prod(float(q[i]) if a else 1 - float(q[i]) for i, a in enumerate(outcome))
-        accepted = [i for i, a in enumerate(outcome) if a]
-        expected_sum += prob * sum((q_bar / float(q[i]) * g[i] for i in accepted), torch.zeros(3, dtype=torch.float64))
-        expected_steps += prob * len(accepted)
-    torch.testing.assert_close(expected_sum, q_bar * g.sum(0))
-    assert expected_steps == pytest.approx(q_bar * n)
-    torch.testing.assert_close(expected_sum / expected_steps, g.mean(0))
+def _accepted_rows(batch, groups):
+    rows = torch.tensor([r for g in groups for r in range(g * GROUP, (g + 1) * GROUP)], dtype=torch.long)
+    return {k: (v[rows] if isinstance(v, torch.Tensor) and v.dim() and v.size(0) == N_ROWS else v)
+            for k, v in batch.items()}, rows
 
 
-@pytest.mark.parametrize("score", ["ema", "calibrated"])
-def test_sampler_steps_are_unbiased_statistically(score):
-    """The sampler itself, over many epochs with a fixed history (1 prompt per step): the mean weighted
-    per-step gradient matches GRPO's per-step expectation, the dataset mean, within 4 standard errors."""
-    n = 6
-    g = _gradient_table(n)
-    sampler = make_sampler(n=n, batch=1, score=score)
-    list(sampler)  # epoch 1: all unseen
-    rewards = [0.0, 0.25, 0.5, 1.0, 0.75, 1.0]
-    sampler.update(range(n), [0.0, 0.1, 0.4, 1.0, 2.0, 0.0], [5.0] * n, rewards)
-    sampler.update(range(n), [0.3, 0.1, 0.4, 0.0, 2.0, 0.0], [5.0] * n, rewards)
-    assert len(set(sampler.acceptance().tolist())) >= 2  # prompts are skipped at different rates
-    sampler.update = lambda *a, **k: None  # freeze the history
-    estimates = []
-    for _ in range(3000):
-        list(sampler)  # n batches (the unpruned epoch length), walking on through the data epochs
-        for number in sorted(sampler.decisions):
-            batch = sampler.pop_decision(number)
-            estimates.append(sum(w * g[i] for i, w in zip(batch["prompts"], batch["weights"])))
-    estimates = torch.stack(estimates)
-    mean, stderr = estimates.mean(0), estimates.std(0) / math.sqrt(len(estimates))
-    assert torch.all((mean - g.mean(0)).abs() < 4 * stderr), (mean, g.mean(0), stderr)
-    assert sampler.epoch > 1.3 * 3000  # it walked more data epochs than iterations: it did skip prompts
+def _cut_expectation(trainer, batch, pi, size, completion_rate=None, weight_pi=None):
+    """E over every acceptance set (and, with ``completion_rate``, every Poisson keep mask of the accepted rows,
+    their keep probabilities computed on the accepted batch as the trainer does) of the step's loss and gradient;
+    ``weight_pi``: the probabilities the weights are taken from (``pi`` by default)."""
+    weight_pi = pi if weight_pi is None else weight_pi
+    loss, grad, total = 0.0, 0.0, 0.0
+    outcomes = {}
+    for prob, accepted in fixed_size_outcomes(pi, size):
+        key = tuple(accepted.tolist())
+        outcomes[key] = outcomes.get(key, 0.0) + prob
+    for key, prob in outcomes.items():
+        groups = [g for g, taken in enumerate(key) if taken]
+        sub, rows = _accepted_rows(batch, groups)
+        prompt_weight = (1.0 / weight_pi[torch.tensor(groups)]).repeat_interleave(GROUP)
+        if completion_rate is None:
+            masks = [(1.0, torch.ones(rows.numel(), dtype=torch.bool), torch.ones(rows.numel(), dtype=torch.float64))]
+        else:
+            row_pi, _ = keep_probabilities(sub["advantages"], completion_rate, 0.1, zero_score_contributes=False)
+            masks = [(p, keep, horvitz_thompson_weights(row_pi, keep)) for p, keep, _ in poisson_outcomes(row_pi)]
+        for mask_prob, keep, weights in masks:
+            value, g = dppo_loss_and_grad(trainer, sub, keep, weights * prompt_weight)
+            loss, grad, total = loss + prob * mask_prob * value, grad + prob * mask_prob * g, total + prob * mask_prob
+    assert total == pytest.approx(1.0, abs=1e-12)
+    return loss, grad
 
 
-def _frozen_sampler(q, n=4, batch=2, group=2, **kwargs):
-    """A sampler whose acceptance is the fixed ``q`` (every prompt seen, loss tokens 3 per completion)."""
-    sampler = make_sampler(n=n, batch=batch, group_size=group, **kwargs)
-    sampler.update(range(n), [1.0] * n, [3.0] * n)
-    sampler.acceptance = lambda: q
-    return sampler
-
-
-def _with_draws(sampler, epochs_of_draws):
-    """Replace the acceptance draw: epoch ``e`` accepts prompt ``i`` iff ``epochs_of_draws[e][i]``."""
-    draws = iter(epochs_of_draws)
-    sampler._accepted = lambda order, q: (lambda pattern: [bool(pattern[i]) for i in order])(next(draws))
-    return sampler
-
-
-def _pattern_probability(pattern, qs):
-    return math.prod(float(q[i]) if a else 1.0 - float(q[i]) for draws, q in zip(pattern, qs)
-                     for i, a in enumerate(draws))
-
-
-def test_every_accepted_prompt_trains_once_and_the_per_step_ratio_is_exact():
-    """4 prompts, 2 per batch, a fixed q, 3 epochs: every acceptance pattern enumerated (4096, float64). Each
-    accepted prompt trains exactly once, in its epoch's batches or at the head of the next epoch's first one,
-    except the run's final leftover (fewer than 2 prompts). So, counting that leftover, each prompt's expected
-    weighted share per step is 2 / 4, GRPO's, exactly (dropping the incomplete batch, as the sampler did, gives
-    shares from 0.39 to 0.65 here; without the leftover, 0.45 to 0.52)."""
-    n, size, epochs = 4, 2, 3
-    q = torch.tensor([1.0, 0.6, 0.3, 0.1], dtype=torch.float64)
-    q_bar = float(q.mean())
-    trained, leftover = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    steps = leftover_count = total = 0.0
-    for flat in itertools.product([0, 1], repeat=n * epochs):
-        pattern = [flat[e * n : (e + 1) * n] for e in range(epochs)]
-        prob = _pattern_probability(pattern, [q] * epochs)
-        sampler = _with_draws(_frozen_sampler(q, n, size), pattern)
-        batches = [b for _ in range(epochs) for b in sampler._plan_epoch()]
-        assert len(sampler.carry) < size
-        taken = [i for b in batches for i in b["prompts"]] + [entry[0] for entry in sampler.carry]
-        assert sorted(taken) == sorted(i for draws in pattern for i, a in enumerate(draws) if a)
-        assert sum(b["walked"] for b in batches) + sampler.walk_owed == epochs * n  # data progress: every candidate
-        for b in batches:
-            for i, w in zip(b["prompts"], b["weights"]):
-                trained[i] += prob * w
-        for i, w, _ in sampler.carry:
-            leftover[i] += prob * w
-        steps += prob * len(batches)
-        leftover_count += prob * len(sampler.carry)
-        total += prob
-    assert total == pytest.approx(1.0, rel=1e-12)
-    torch.testing.assert_close(trained + leftover, torch.full((n,), epochs * q_bar, dtype=torch.float64),
-                               rtol=1e-12, atol=0)
-    assert steps * size + leftover_count == pytest.approx(epochs * q_bar * n, rel=1e-12)
-    share = (trained + leftover) / (steps + leftover_count / size)
-    torch.testing.assert_close(share, torch.full((n,), size / n, dtype=torch.float64), rtol=1e-12, atol=0)
-
-
-def _expected_run(loss_type, normalizer_of):
-    """Two epochs of the real sampler (4 prompts, 2 per batch, 2 completions each) over every acceptance pattern,
-    with a history update between them that changes q and D (so the prompts carried into epoch 2 were normalized
-    in epoch 1): ``(E[sum of the steps' terms + the final leftover's], the claim sum_e q_bar_e sum_j g_j / D_e)``.
-    A step is ``sum_j w_j g_j / Z`` with ``Z`` the trainer's ``full_batch_normalizer`` of the batch's
-    ``normalizer_of(batch, loss_tokens)`` (the count, and a factor per prompt)."""
-    from dppo_trl.core.estimator import full_batch_normalizer
-
-    n, size, group = 4, 2, 2
-    g = torch.tensor([3.0, -1.0, 2.0, 0.5], dtype=torch.float64)  # each prompt's summed per-token (or per-row) term
-    tokens = torch.tensor([[4, 6], [20, 30], [9, 1], [50, 40]], dtype=torch.float64)  # its completions' loss tokens
-    expected, claim = 0.0, None
-    for flat in itertools.product([0, 1], repeat=2 * n):
-        pattern = [flat[:n], flat[n:]]
-        sampler = make_sampler(n=n, batch=size, group_size=group, keep_rate=0.5, keep_floor=0.1)
-        sampler.update(range(n), [0.0, 0.4, 1.0, 2.0], [7.0, 30.0, 4.0, 40.0])  # lengths: estimates, not exact
-        qs, ds = [sampler.acceptance()], [sampler.normalizer()]
-        _with_draws(sampler, pattern)
-        batches = sampler._plan_epoch()
-        sampler.update(range(n), [1.5, 0.0, 0.3, 0.8], [5.0, 20.0, 5.0, 60.0])  # fixed: not draw-dependent
-        qs.append(sampler.acceptance())
-        ds.append(sampler.normalizer())
-        batches += sampler._plan_epoch()
-        prob = _pattern_probability(pattern, qs)
-        run = 0.0
-        for b in batches:
-            loss_tokens = tokens[b["prompts"]].flatten()
-            count, factors = normalizer_of(b, loss_tokens)
-            z = full_batch_normalizer(loss_type, size * group, 64, count, 1, 1, 1)
-            run += sum(w * f * float(g[i]) for i, w, f in zip(b["prompts"], b["weights"], factors)) / z
-        for i, w, d in sampler.carry:  # the final leftover, as it would train (its own D)
-            run += w * float(g[i]) / full_batch_normalizer(loss_type, size * group, 64, d, 1, 1, 1)
-        expected += prob * run
-        per_step = [full_batch_normalizer(loss_type, size * group, 64, d, 1, 1, 1) for d in ds]
-        claim = sum(float(q.mean()) * float(g.sum()) / z for q, z in zip(qs, per_step))
-    return expected, claim
+@pytest.mark.parametrize("loss_type,spg", EXACT_CASES)
+def test_the_expected_cut_step_is_grpos_step_over_every_candidate(tmp_path, tiny_model_dir, train_dataset, exact_logprobs,
+                                                                  loss_type,
+                                                                  spg):
+    """Float64, clipping active, ``beta`` 0.04: the expectation over every acceptance set of the fixed-size design
+    (m = 2 of 3 candidates, unequal pi) of the trainer's loss and gradient on the accepted rows alone equals the step
+    over every candidate with every row kept (DPPO's path there is GRPO's: test_trl_microbatch_statistics), with
+    the token count fixed before the draw at the candidates' own. A design that ignores the weights is off."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, 0.04, spg, float64=True,
+                           prompt_keep_rate=0.5, prompt_score="ema", prompt_probe_generations=0)
+    batch = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+             for k, v in synthetic_batch(trainer).items()}
+    pi = cut_probabilities(torch.tensor([0.9, 0.2, 0.5]), 2, 0.1)
+    assert len(set(pi.tolist())) == 3  # unequal
+    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool),
+                                              torch.ones(N_ROWS, dtype=torch.float64))
+    loss, grad = _cut_expectation(trainer, batch, pi, 2)
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
+    uniform = torch.full((3,), 2 / 3, dtype=torch.float64)
+    _, wrong = _cut_expectation(trainer, batch, pi, 2, weight_pi=uniform)  # drawn with pi, weighted as if uniform
+    assert float((wrong - full_grad).norm()) > 1e-3 * float(full_grad.norm())
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_the_expected_step_is_grpos_numerator_over_the_planned_normalizer(loss_type):
-    """Exact enumeration (256 patterns, float64): with the trainer's normalization
-    (``estimator.prompt_pruning_normalization``), the expected sum of the steps' terms is
-    ``sum_e q_bar_e x sum_j g_j / D_e`` (``dapo``: ``D_e`` the planned token count; ``grpo``: the rows), while the
-    expected number of steps is ``sum_e q_bar_e x M / P``: per step, GRPO's expected numerator
-    ``E[N_B] = (P / M) sum_j g_j`` over ``D_e``. The random prompt-weighted count (the previous normalizer) is
-    off by a ratio estimate's bias; dropping the carried prompts' own normalizer is off too."""
-    from dppo_trl.core.estimator import prompt_pruning_normalization, prompt_weighted_token_count
-
-    def planned(batch, loss_tokens):
-        return prompt_pruning_normalization(loss_type, batch["normalizer"], batch["normalizers"], loss_tokens)
-
-    expected, claim = _expected_run(loss_type, planned)
-    assert expected == pytest.approx(claim, rel=1e-12)
-    if loss_type == "dapo":
-
-        def weighted_count(batch, loss_tokens):
-            w = torch.tensor(batch["weights"], dtype=torch.float64).repeat_interleave(2)
-            return prompt_weighted_token_count(loss_tokens, w), [1.0] * len(batch["prompts"])
-
-        def batch_d_only(batch, loss_tokens):
-            return batch["normalizer"], [1.0] * len(batch["prompts"])
-
-        for wrong in (weighted_count, batch_d_only):
-            assert abs(_expected_run(loss_type, wrong)[0] / claim - 1) > 1e-3, wrong.__name__
+def test_the_cut_composes_with_completion_pruning(tmp_path, tiny_model_dir, train_dataset, exact_logprobs, loss_type):
+    """Acceptance sets times every Poisson keep mask of the accepted rows (keep rate 0.5 on the accepted batch's
+    advantages): the expected step is still GRPO's over every candidate, float64."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, loss_type, 0.0, 1, float64=True,
+                           prompt_keep_rate=0.5, prompt_score="ema", prompt_probe_generations=0)
+    batch = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+             for k, v in synthetic_batch(trainer).items()}
+    pi = cut_probabilities(torch.tensor([0.9, 0.2, 0.5]), 2, 0.1)
+    full_loss, full_grad = dppo_loss_and_grad(trainer, batch, torch.ones(N_ROWS, dtype=torch.bool),
+                                              torch.ones(N_ROWS, dtype=torch.float64))
+    loss, grad = _cut_expectation(trainer, batch, pi, 2, completion_rate=0.5)
+    assert_exact(loss, full_loss)
+    assert_exact(grad, full_grad)
 
 
-def test_the_normalizer_is_fixed_before_the_acceptance_draw():
-    """The planned D of an epoch's batches is the same whatever the acceptance draw (it is a function of the
-    history only: P x G x the mean loss tokens per completion of the seen prompts), and so is the trainer's count;
-    in an epoch with nothing seen it is None and the trainer counts the batch, as GRPO does."""
-    from dppo_trl.core.estimator import prompt_pruning_normalization
-
-    first = make_sampler(n=6, batch=2)
-    batch = first._plan_epoch()[0]
-    assert batch["normalizer"] is None and batch["normalizers"] == [None, None]
-    tokens = torch.tensor([3.0, 5.0, 7.0, 9.0], dtype=torch.float64)
-    assert prompt_pruning_normalization("dapo", None, [None, None], tokens) == (24.0, [1.0, 1.0])
-    normalizers, counts = set(), set()
-    for seed in range(40):
-        sampler = make_sampler(n=6, batch=2, accept_seed=seed)
-        sampler.update(range(5), [0.0, 0.1, 0.5, 1.0, 2.0], [3.0, 5.0, 10.0, 2.0, 6.0])  # prompt 5 unseen
-        for b in sampler._plan_epoch():
-            normalizers.update(b["normalizers"] + [b["normalizer"]])
-            draws = torch.rand(4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 40
-            counts.add(prompt_pruning_normalization("dapo", b["normalizer"], b["normalizers"], draws)[0])
-    assert normalizers == counts == {2 * 2 * (3 + 5 + 10 + 2 + 6) / 5}
+# ------------------------------------------------------------------ the trainer: GRPO's groups, resume, TRL's shapes
+def seeded_generation(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """A stand-in for ``GRPOTrainer._generate_single_turn``: completion ``i`` of a prompt in a step is drawn from a
+    generator seeded by the prompt's tokens, the step and ``i`` (``i`` counts on across the calls of a step),
+    whatever else the call generates. So GRPO's group and DPPO's (the probe, then the rest) hold the same
+    completions."""
+    if self.__dict__.get("_seeded_step") != self.state.global_step:
+        self._seeded_step, self._seeded_counts = self.state.global_step, {}
+    completions = []
+    for ids in prompt_ids:
+        key = tuple(ids)
+        index = self._seeded_counts.get(key, 0)
+        self._seeded_counts[key] = index + 1
+        g = torch.Generator().manual_seed(hash((key, self.state.global_step, index)) % 2**31)
+        length = int(torch.randint(1, self.max_completion_length + 1, (), generator=g))
+        completions.append(torch.randint(10, 60, (length,), generator=g).tolist())
+    return completions, None
 
 
-@pytest.mark.parametrize("score", ["ema", "calibrated"])
-def test_sampler_state_round_trips_the_length_history_and_the_carry(score):
-    """A resumed sampler plans the next epochs as the original does: the loss-token history, the calibration,
-    the prompts carried over (with their weights and normalizers) and the walk owed are in its state (JSON, as in
-    checkpoints)."""
-    import json
+def _unpadded(ids, mask):
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
 
-    def build():
-        sampler = make_sampler(n=7, batch=3, accept_seed=11, score=score)
-        rewards = [0.0, 0.5, 0.25, 1.0, 0.75, 1.0, 0.5]
-        for _ in range(2):
-            sampler.update(range(7), [0.0, 0.2, 0.4, 1.0, 2.0, 0.1, 0.3], [3.0, 8.0, 1.0, 4.0, 9.0, 2.0, 5.0], rewards)
-        return sampler
 
-    original = build()
-    for _ in range(6):  # plan until some prompts are carried over
-        original.plan = original._plan_epoch()
-        if original.carry:
-            break
-    assert original.carry
-    original.update([0, 3], [0.5, 0.5], [11.0, 13.0], [0.5, 0.125])
-    state = json.loads(json.dumps(original.state_dict(), allow_nan=False))
-    resumed = build()
-    resumed.load_state_dict(state, next_batch=original.batches_planned)
-    assert torch.equal(resumed.lengths, original.lengths) and resumed.carry == original.carry
-    assert torch.equal(resumed.calibration, original.calibration) and torch.equal(resumed.cells, original.cells)
-    assert resumed.walk_owed == original.walk_owed and resumed.plan == original.plan
-    for _ in range(3):
-        assert resumed._plan_epoch() == original._plan_epoch()
+class RewardsOut:
+    """Put before a trainer class: each batch's rewards (every rank's, weighted sums) are in its output."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        out["rewards"] = self._recorded_rewards
+        return out
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._recorded_rewards = rewards.sum(1)
+        return rewards
+
+
+def _recording_rewards(base):
+    """``base`` recording each batch's rows and rewards, prompts and prompt decisions."""
+    return recording(type(f"RewardsOut{base.__name__}", (RewardsOut, base), {}),
+                     batch_keys=BATCH_KEYS + ("prompt_ids", "rewards"), record_prompts=True,
+                     record_prompt_decisions=True)
 
 
 @pytest.fixture(scope="module")
@@ -350,47 +240,99 @@ def small_dataset():
 
 
 def prompt_config(tmp_path, **kwargs):
-    base = dict(
-        prompt_keep_rate=0.5,
-        max_steps=-1,
-        num_train_epochs=3,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        lr_scheduler_type="linear",
-    )
+    base = dict(prompt_keep_rate=0.5, max_steps=4, per_device_train_batch_size=16, num_generations=4)
     base.update(kwargs)
     return cpu_config(tmp_path, **base)
 
 
-PromptRecorder = recording(batch_keys=BATCH_KEYS, record_prompts=True)
+@pytest.mark.parametrize("extra", [{}, {"prompt_score": "ema", "prompt_probe_generations": 0}])
+def test_an_accepted_group_is_the_group_grpo_draws_probe_included(tmp_path, tiny_model_dir, small_dataset, extra,
+                                                                   monkeypatch):
+    """GRPOTrainer and DPPOTrainer (cut at 0.5 of 4 candidates, the probe of 2 or the history) with the same
+    completions per prompt: each DPPO batch is GRPO's batch of the same step restricted to the accepted groups, the
+    same prompts, completions, rewards and advantages, row for row; its weights are 1 / pi of its group."""
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", seeded_generation)
+    grpo_cls, dppo_cls = (_recording_rewards(c) for c in (GRPOTrainer, DPPOTrainer))
+    # learning_rate 0: the same policy at every step of both runs.
+    args = prompt_config(tmp_path, completion_keep_rate=1.0, packing=False, learning_rate=0.0, **extra)
+    grpo_args = cpu_config(tmp_path / "grpo", max_steps=4, per_device_train_batch_size=16, num_generations=4,
+                           learning_rate=0.0, cls=GRPOConfig)
+    grpo = grpo_cls(tiny_model_dir, coarse_reward, args=grpo_args, train_dataset=small_dataset)
+    grpo.train()
+    dppo = dppo_cls(tiny_model_dir, coarse_reward, args=args, train_dataset=small_dataset)
+    dppo.train()
+    assert dppo.prompts_seen == grpo.prompts_seen  # the candidates are GRPO's, step by step
+    cut_any = False
+    for g, d, (weights, _, cut) in zip(grpo.records, dppo.records, dppo.prompt_decisions):
+        rows = torch.tensor([r for j, taken in enumerate(cut.accepted.tolist()) if taken for r in range(4 * j, 4 * j + 4)])
+        cut_any |= rows.numel() < 16
+        for ids, mask in (("prompt_ids", "prompt_mask"), ("completion_ids", "completion_mask")):
+            assert _unpadded(d[ids], d[mask]) == _unpadded(g[ids][rows], g[mask][rows]), ids
+        assert torch.equal(d["rewards"], g["rewards"][rows])
+        torch.testing.assert_close(d["advantages"], g["advantages"][rows], rtol=0, atol=0)
+        assert torch.equal(weights, (1 / cut.pi[cut.accepted]).repeat_interleave(4))
+        assert int(cut.accepted.sum()) == (4 if cut.normalizer is None else 2)  # nothing known: every candidate
+    assert cut_any
 
 
-def test_epochs_are_passes_over_the_data_in_fewer_steps(tmp_path, tiny_model_dir, small_dataset):
-    from transformers.trainer_callback import ProgressCallback
+def test_resume_reproduces_the_cut(tmp_path, tiny_model_dir, small_dataset):
+    """Stopped at step 2 and resumed: the same candidates, acceptance sets, weights and parameters as a run
+    without a stop (the draw is seeded by the training position; the history is in the checkpoint)."""
+    cls = recording(record_prompts=True, record_prompt_decisions=True)
+    settings = dict(max_steps=5, prompt_score="ema", prompt_probe_generations=0, per_device_train_batch_size=8)
+    small_dataset = small_dataset.select(range(4))  # revisited every 2 steps: the history sets pi
+    whole = cls(tiny_model_dir, random_reward, args=prompt_config(tmp_path / "whole", **settings),
+                train_dataset=small_dataset)
+    whole.train()
+    first = cls(tiny_model_dir, random_reward, args=prompt_config(tmp_path / "split", **settings),
+                train_dataset=small_dataset, callbacks=[StopAt(2)])
+    first.train()
+    second = cls(tiny_model_dir, random_reward, args=prompt_config(tmp_path / "split", **settings),
+                 train_dataset=small_dataset)
+    second.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-2"))
+    decisions = [(d[2].accepted.tolist(), d[2].pi.tolist()) for d in first.prompt_decisions + second.prompt_decisions]
+    assert decisions == [(d[2].accepted.tolist(), d[2].pi.tolist()) for d in whole.prompt_decisions]
+    assert any(min(pi) < 0.5 or max(pi) > 0.5 for _, pi in decisions[2:])  # the history set unequal pi
+    assert first.prompts_seen + second.prompts_seen == whole.prompts_seen
+    for name, p in params_of(whole).items():
+        torch.testing.assert_close(params_of(second)[name], p, rtol=1e-5, atol=1e-6)
 
-    trainer = PromptRecorder(
-        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, disable_tqdm=False), train_dataset=small_dataset
-    )
-    bar_positions = []
-    progress = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback))
-    original_close = progress.on_train_end
 
-    def record_then_close(*args, **kwargs):
-        bar_positions.append((progress.training_bar.n, progress.training_bar.total))
-        return original_close(*args, **kwargs)
+def weighted_rewards(completions, **kwargs):
+    return [float(len(c) % 3) for c in completions]
 
-    progress.on_train_end = record_then_close
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
+def test_trls_own_test_shapes_run(tmp_path, tiny_model_dir, small_dataset, loss_type):
+    """TRL's ``test_train_loss_types`` shape (3 completions a prompt, a per-device batch of 3,
+    gradient_accumulation_steps 2: 2 candidates a step, 1 accepted), an epoch that does not divide into batches,
+    two weighted reward functions: it trains, each step accepts one group, and the last log has every
+    ``rewards/<func>/mean``, as GRPO's has."""
+    args = cpu_config(tmp_path, loss_type=loss_type, prompt_keep_rate=0.5, num_generations=3,
+                      per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=-1, num_train_epochs=1,
+                      reward_weights=[1.0, 0.5])
+    trainer = recording(record_prompt_decisions=True)(tiny_model_dir, [coarse_reward, weighted_rewards], args=args,
+                                                      train_dataset=small_dataset.select(range(7)))
     trainer.train()
-    assert bar_positions == [(3 * 8, 3 * 8)]  # the progress bar ends full, like GRPO's
-    assert trainer._prompt_sampler.epoch == 3
-    assert trainer.state.global_step < 3 * 8  # GRPO: 16 prompts / 2 per step x 3 epochs
-    assert len(trainer.prompts_seen) == trainer.state.global_step
-    # The learning-rate schedule follows data progress: it ends with the last epoch, as GRPO's would.
-    assert trainer.lr_scheduler.last_epoch == trainer.state.max_steps == 3 * 8
-    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
-    logs = [h for h in trainer.state.log_history if "dppo/prompt_q_bar" in h]
-    assert logs[0]["dppo/prompt_q_bar"] == 1.0  # first epoch: nothing seen
-    assert logs[-1]["dppo/prompt_q_bar"] < 1.0 and "dppo/prompt_weight_max" in logs[-1]
+    assert trainer.state.global_step == 3  # 7 prompts, 2 a step: TRL's sampler drops the last one, as for GRPO
+    assert [int(cut.accepted.sum()) for *_, cut in trainer.prompt_decisions] == [1, 1, 1]
+    last = [h for h in trainer.state.log_history if "reward" in h][-1]
+    assert {"rewards/coarse_reward/mean", "rewards/weighted_rewards/mean"} <= set(last)
+
+
+def test_every_completion_masked_trains_without_error(tmp_path, tiny_model_dir, small_dataset):
+    """``mask_truncated_completions`` with completions that are all truncated: no loss token anywhere, the token
+    count fixed before the draw is 0 (the probe saw only truncated completions); the step is 0, not an error."""
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, small_dataset, reward=constant_reward, prompt_keep_rate=0.5,
+                    mask_truncated_completions=True, max_completion_length=1, max_steps=2)
+    assert trainer.state.global_step == 2
+
+
+def test_a_streaming_dataset_trains_with_the_probe(tmp_path, tiny_model_dir, small_dataset):
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, small_dataset.to_iterable_dataset(), reward=coarse_reward,
+                    prompt_keep_rate=0.5, max_steps=2)
+    logs = [h for h in trainer.state.log_history if "dppo/prompt_generated_fraction" in h]
+    assert len(logs) == 2 and logs[0]["dppo/prompt_generated_fraction"] == pytest.approx((2 * 2 + 1 * 2) / 8)
 
 
 def test_keep_rate_one_is_the_core_trainer_bit_for_bit(tmp_path, tiny_model_dir, small_dataset):
@@ -398,58 +340,9 @@ def test_keep_rate_one_is_the_core_trainer_bit_for_bit(tmp_path, tiny_model_dir,
         train(DPPOTrainer, tmp_path / name, tiny_model_dir, small_dataset, reward=coarse_reward, max_steps=3, **extra)
         for name, extra in (("a", {}), ("b", {"prompt_keep_rate": 1.0}))
     ]
-    assert runs[1]._prompt_sampler is None
+    assert runs[1]._prompt_history is None
     for name, p in params_of(runs[0]).items():
         assert torch.equal(p, params_of(runs[1])[name])
-
-
-def test_max_steps_runs_take_exactly_max_steps_across_pruned_epochs(tmp_path, tiny_model_dir, small_dataset):
-    trainer = PromptRecorder(
-        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, max_steps=28), train_dataset=small_dataset
-    )
-    trainer.train()
-    # GRPO's epoch is 8 steps; the Trainer plans 4 epochs and each yields 8 steps, from more data epochs.
-    assert trainer.state.global_step == len(trainer.prompts_seen) == 28
-    assert trainer._prompt_sampler.epoch > 4
-
-
-@pytest.mark.parametrize(
-    "budget,stop",
-    [
-        ({}, 10),
-        ({"max_steps": 28}, 13),
-        ({"max_steps": 28, "prompt_score": "calibrated"}, 13),
-        # each generation batch serves 2 iterations x 2 micro-steps: 2 optimizer steps; stop in the last epoch
-        ({"max_steps": 12, "steps_per_generation": 2, "gradient_accumulation_steps": 2, "num_iterations": 2}, 10),
-    ],
-)
-def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_model_dir, small_dataset, budget, stop):
-    """Epoch-based (stop inside the second, pruned, epoch) and max_steps (stop mid-way through the Trainer's
-    second epoch, which is made of pruned data epochs)."""
-    whole = PromptRecorder(
-        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "whole", **budget), train_dataset=small_dataset
-    )
-    whole.train()
-    assert whole.state.global_step > stop
-    if budget.get("prompt_score") == "calibrated":  # the trainer fed back rewards: revisits measured per cell
-        assert whole._prompt_sampler.calibration_seen.any() and whole._prompt_sampler.reward_range is not None
-    first = PromptRecorder(
-        tiny_model_dir,
-        coarse_reward,
-        args=prompt_config(tmp_path / "split", **budget),
-        train_dataset=small_dataset,
-        callbacks=[StopAt(stop)],
-    )
-    first.train()
-    assert first.state.global_step == stop
-    second = PromptRecorder(
-        tiny_model_dir, coarse_reward, args=prompt_config(tmp_path / "split", **budget), train_dataset=small_dataset
-    )
-    second.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / f"checkpoint-{stop}"))
-    assert first.prompts_seen + second.prompts_seen == whole.prompts_seen
-    assert second.state.global_step == whole.state.global_step
-    for name, p in params_of(whole).items():
-        torch.testing.assert_close(params_of(second)[name], p, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -460,8 +353,11 @@ def test_resume_makes_the_same_decisions_as_an_uninterrupted_run(tmp_path, tiny_
         (dict(prompt_keep_rate=0.5, prompt_keep_floor=0.0), "prompt_keep_floor"),
         (dict(prompt_keep_rate=0.5, prompt_keep_floor=2.0), "prompt_keep_floor"),
         (dict(prompt_keep_rate=0.5, prompt_history_decay=1.0), "prompt_history_decay"),
-        (dict(prompt_keep_rate=0.5, prompt_history_decay=-0.1), "prompt_history_decay"),
         (dict(prompt_keep_rate=0.5, prompt_score="last"), "prompt_score"),
+        (dict(prompt_keep_rate=0.5, prompt_probe_generations=1), "prompt_probe_generations"),
+        (dict(prompt_keep_rate=0.5, prompt_probe_generations=8, num_generations=8), "prompt_probe_generations"),
+        (dict(prompt_keep_rate=0.5, prompt_score="ema", prompt_probe_generations=2), "prompt_probe_generations"),
+        (dict(prompt_keep_rate=0.5, prompt_probe_generations=-1), "prompt_probe_generations"),
     ],
 )  # (valid but unused while prompt pruning is off: a warning, tests/test_config.py)
 def test_bad_prompt_values_name_the_field(kwargs, field):
@@ -469,11 +365,14 @@ def test_bad_prompt_values_name_the_field(kwargs, field):
         validation_config(**kwargs)
 
 
-def test_streaming_datasets_are_refused(tmp_path, tiny_model_dir, small_dataset):
-    with pytest.raises(ValueError, match="prompt_keep_rate"):
-        DPPOTrainer(
-            tiny_model_dir,
-            coarse_reward,
-            args=prompt_config(tmp_path, max_steps=2),
-            train_dataset=small_dataset.to_iterable_dataset(),
-        )
+def test_the_probe_is_refused_with_tools_before_the_model_loads(tmp_path):
+    def tool(x: int) -> int:
+        """A tool.
+
+        Args:
+            x: a number.
+        """
+        return x
+
+    with pytest.raises(ValueError, match="prompt_probe_generations"):
+        DPPOTrainer("no/such-model", coarse_reward, args=prompt_config(tmp_path), tools=[tool])

@@ -57,9 +57,13 @@ TRL_ATTRIBUTES = {
     "is_fsdp_enabled": bool,
     "callback_handler": object,
     "lr_scheduler": torch.optim.lr_scheduler.LRScheduler,
+    "_pending_extra_logs": dict,
+    "_pending_metrics": dict,
+    "eos_token_ids": list,
 }
 # TRL methods DPPO calls (not overrides).
-TRL_METHODS = ("compute_loss", "compute_loss_context_manager", "get_gamma_weights", "_get_output_dir", "add_callback")
+TRL_METHODS = ("compute_loss", "compute_loss_context_manager", "get_gamma_weights", "_get_output_dir", "add_callback",
+               "_generate")
 # TRL hooks DPPO overrides, and the parameters of DPPO's override (TRL's must be the same, in order).
 OVERRIDDEN_HOOKS = (
     "_generate_and_score_completions",
@@ -68,8 +72,7 @@ OVERRIDDEN_HOOKS = (
     "_get_per_token_logps_and_entropies",
     "_calculate_rewards",
     "get_high_entropy_mask",
-    "_get_train_sampler",
-    "create_scheduler",
+    "_generate_single_turn",
     "_save_checkpoint",
     "_load_optimizer_and_scheduler",
 )

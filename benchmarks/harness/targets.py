@@ -182,27 +182,28 @@ def median_phase_ratios(per_seed):
 SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
-def projected_time_ratio(steps_ratio, training_ratio, share):
+def projected_time_ratio(steps_ratio, training_ratio, share, generation_ratio=(1.0, 0.0)):
     """The time to the target over GRPO's where generation takes ``share`` of GRPO's step: learning per step
-    (``steps_ratio``, mean, SE) times the step ratio ``share + (1 - share) x training ratio`` (generation is the
-    same per step: the same prompts, every completion generated). Returns (ratio, SE), the SE to first order."""
-    from dppo_trl.core.audit import step_ratio_at_share
-
-    (s, s_se), (t, t_se) = steps_ratio, training_ratio
-    step = step_ratio_at_share(t, share)
-    step_se = (1 - share) * t_se
+    (``steps_ratio``, mean, SE) times the step ratio ``share x generation ratio + (1 - share) x training ratio``
+    (``generation_ratio`` 1 where every step generates GRPO's prompts; below 1 under prompt pruning's cut).
+    Returns (ratio, SE), the SE to first order."""
+    (s, s_se), (t, t_se), (g, g_se) = steps_ratio, training_ratio, generation_ratio
+    step = share * g + (1 - share) * t
+    step_se = ((share * g_se) ** 2 + ((1 - share) * t_se) ** 2) ** 0.5
     return s * step, ((s_se * step) ** 2 + (s * step_se) ** 2) ** 0.5
 
 
-def projection(steps_ratios, training_ratios, shares=SHARES):
+def projection(steps_ratios, training_ratios, shares=SHARES, generation_ratios=None):
     """``[{"method", "generation_share", "time_ratio", "time_ratio_se"}]`` for each method with both factors
-    (``steps_ratios``, ``training_ratios``: {method: (mean, SE)})."""
+    (``steps_ratios``, ``training_ratios``, ``generation_ratios``: {method: (mean, SE)}; a method without a
+    generation ratio generates GRPO's batch every step)."""
     rows = []
     for method, steps in steps_ratios.items():
         if method not in training_ratios or steps[0] is None:
             continue
+        generation = (generation_ratios or {}).get(method, (1.0, 0.0))
         for share in shares:
-            ratio, se = projected_time_ratio(steps, training_ratios[method], share)
+            ratio, se = projected_time_ratio(steps, training_ratios[method], share, generation)
             rows.append({"method": method, "generation_share": share, "time_ratio": ratio, "time_ratio_se": se})
     return rows
 

@@ -269,20 +269,6 @@ def split_launch_keys(config_remaining: list[str], parser) -> list[str]:
     return launch
 
 
-def _check_dataset_kind(script_args, training_args, dataset_args) -> None:
-    """DPPOTrainer refuses a streaming dataset under prompt pruning (it keeps a history per dataset row); say
-    so before anything is loaded or launched. TRL's script streams by ``streaming`` when it loads a
-    ``datasets:`` mixture, by ``dataset_streaming`` when it loads ``dataset_name``."""
-    key = "streaming" if dataset_args.datasets else "dataset_streaming"
-    streaming = dataset_args.streaming if dataset_args.datasets else script_args.dataset_streaming
-    if streaming and training_args.prompt_keep_rate < 1.0:
-        raise CLIError(
-            f"prompt_keep_rate={training_args.prompt_keep_rate!r} with {key}: true: prompt pruning "
-            "needs a map-style dataset (it keeps a history per dataset row), and a streaming dataset is not one. "
-            f"Set prompt_keep_rate: 1.0 or {key}: false."
-        )
-
-
 def _check_reasoning_gym(script_args, dataset_args) -> None:
     """A ``reasoning_gym_task`` is the dataset: it exists, its answer format is known, and no other dataset is given
     beside it. Checked before anything is loaded."""
@@ -318,7 +304,6 @@ def parse(argv: list[str]):
     launch_args = split_launch_keys([str(x) for x in config_remaining], parser)
     launch_args += split_launch_args([str(x) for x in cli_remaining], parser)
     script_args, training_args, model_args, dataset_args = dataclasses_
-    _check_dataset_kind(script_args, training_args, dataset_args)
     _check_reasoning_gym(script_args, dataset_args)
     training_argv, pending = [], list(cli_remaining)
     for item in argv:  # argv minus the ordered subsequence the parser left over

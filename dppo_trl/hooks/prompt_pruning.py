@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 from accelerate.utils import gather_object
@@ -27,6 +28,8 @@ from ..core.prompts import (
     spread_groups,
 )
 from .generation_batch import GenerationBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -89,6 +92,10 @@ class PromptPruning:
         """The step's cut of this rank's candidates ``inputs`` (TRL's rows: ``P`` prompts, ``G`` rows each); returns
         the accepted rows and the ``PromptCut``."""
         group = self.num_generations
+        if any(key in x for x in inputs for key in ("image", "images")):
+            raise NotImplementedError(
+                "DPPO's prompt pruning does not support multimodal batches yet; set prompt_keep_rate=1.0."
+            )
         if len(inputs) % group:
             raise ValueError(
                 f"prompt_keep_rate={self.args.prompt_keep_rate!r} needs whole groups on every rank: each process's "
@@ -216,6 +223,8 @@ class PromptPruning:
         return None if self._prompt_history is None else {"history": self._prompt_history.state_dict()}
 
     def _load_prompt_pruning_state_dict(self, state: dict) -> None:
-        if "history" not in state:  # a checkpoint of the retired fill mode: its history was per dataset row
+        if "history" not in state:
+            logger.warning("DPPO: this checkpoint holds the prompt sampler of an earlier version (its history was per "
+                           "dataset row); prompt pruning goes on with an empty history.")
             return
         self._history().load_state_dict(state["history"])

@@ -20,7 +20,8 @@ def _number(value) -> str:
 
 class DPPOSummaryCallback(TrainerCallback):
     """Prints one line at the end of training: steps, wall time, reward at the first and last log, the kept
-    fractions of completions and prompts, and the gradient audit's summary (``audit_summary()``, when it gives one)."""
+    fraction of completions, the accepted fraction of prompts and the generated fraction of completions, and the
+    gradient audit's summary (``audit_summary()``, when it gives one)."""
 
     def __init__(self, audit_summary=None):
         self.audit_summary = audit_summary
@@ -38,7 +39,8 @@ class DPPOSummaryCallback(TrainerCallback):
         ]
         if logs:
             parts.append(f"reward {_number(logs[0]['reward'])} (first log) -> {_number(logs[-1]['reward'])} (last log)")
-        for key, label in (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_keep_rate", "prompts accepted")):
+        for key, label in (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_accepted_fraction", "prompts accepted"),
+                           ("dppo/prompt_generated_fraction", "completions generated")):
             values = [h[key] for h in state.log_history if _is_number(h.get(key))]
             if values:
                 parts.append(f"{label} {sum(values) / len(values):.3f}")

@@ -8,6 +8,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "lusp
 
 # DPPOConfig's own fields (those GRPOConfig lacks).
 DPPO_FIELDS = {
+    "prompt_probe_generations",
     "completion_keep_rate",
     "keep_floor",
     "prune_sampling",

@@ -34,7 +34,7 @@ class Recorder:
       this process kept in ``local_kept``;
     - ``record_audits``: each gradient audit's two reduced gradients ``(dppo, grpo)``, in ``audits``;
     - ``record_error_scales``: ``(audit ratios so far, scale)`` of each measured-error scale, in ``scales``;
-    - ``record_prompt_decisions``: ``(weights, token count)`` of each prompt-pruning decision, in
+    - ``record_prompt_decisions``: ``(weights, token count, PromptCut)`` of each prompt-pruning decision, in
       ``prompt_decisions``;
     - ``record_keep_draws``: ``(advantages, scores)`` of each keep-mask draw, in ``drawn``."""
 
@@ -70,10 +70,10 @@ class Recorder:
             append(self, "scales", (list(self._audit_records()["ratio"]), scale))
         return scale
 
-    def _take_prompt_decision(self, inputs, scores, batch):
-        weights, count = super()._take_prompt_decision(inputs, scores, batch)
+    def _take_prompt_decision(self, scores, batch):
+        weights, count = super()._take_prompt_decision(scores, batch)
         if self.record_prompt_decisions:
-            append(self, "prompt_decisions", (weights, count))
+            append(self, "prompt_decisions", (weights, count, batch.cut))
         return weights, count
 
     def _draw_keep_mask(self, output, batch, scores):
