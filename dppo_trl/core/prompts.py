@@ -211,9 +211,10 @@ def prompt_score(name: str) -> PromptScore:
     return _PROMPT_SCORES[name]
 
 
-def _history_fallback(values: list[float | None]) -> torch.Tensor:
-    """Known values as they are; unknown ones the mean of the known (all equal when none is known)."""
-    known = [v for v in values if v is not None]
+def _history_fallback(values: list[float | None], pool: list[float | None]) -> torch.Tensor:
+    """Known values as they are; unknown ones the mean of the known values of ``pool`` (every seen prompt's, or
+    every measured cell's; all equal when none is known)."""
+    known = [v for v in pool if v is not None]
     mean = sum(known) / len(known) if known else 1.0
     return torch.tensor([mean if v is None else v for v in values], dtype=torch.float64)
 
@@ -227,16 +228,19 @@ def _probe_score(inputs: CutInputs) -> torch.Tensor:
 
 @register_prompt_score("ema", needs_probe=False)
 def _ema_score(inputs: CutInputs) -> torch.Tensor:
-    """The moving average of the prompt's own groups' mean |A| (an unseen prompt: the mean over the seen)."""
-    return _history_fallback([inputs.history._get(k, "score", None) for k in inputs.keys])
+    """The moving average of the prompt's own groups' mean |A| (an unseen prompt: the mean over every seen one)."""
+    history = inputs.history
+    pool = [entry["score"] for entry in history.prompts.values()]
+    return _history_fallback([history._get(k, "score", None) for k in inputs.keys], pool)
 
 
 @register_prompt_score("calibrated", needs_probe=False)
 def _calibrated_score(inputs: CutInputs) -> torch.Tensor:
     """The mean |A| that prompts whose last group fell in the same cell (``history_cell``) got at their next visit,
-    measured over the run (an unseen prompt, or a cell without a measure: the mean over the others)."""
-    cells = [inputs.history._get(k, "cell", None) for k in inputs.keys]
-    return _history_fallback([None if c is None else inputs.history.calibration[c] for c in cells])
+    measured over the run (an unseen prompt, or a cell without a measure: the mean over the measured cells)."""
+    history = inputs.history
+    cells = [history._get(k, "cell", None) for k in inputs.keys]
+    return _history_fallback([None if c is None else history.calibration[c] for c in cells], history.calibration)
 
 
 def cut_decision(scores: torch.Tensor, ranks: int, accepted: int, floor: float, generator: torch.Generator):
