@@ -51,6 +51,7 @@ from harness import (  # noqa: E402
     read_json,
     reasoning_gym_setup,
     result_path,
+    probe_prediction,
     revisit_outcomes,
     reward_panels,
     run_methods,
@@ -392,6 +393,9 @@ def report(args, runs, trainer_args, elapsed, runs_file):
         # How prompts move between visits, per method (harness.targets.revisit_outcomes; records with groups only).
         "revisits": {row["method"]: revisit_outcomes([r for r in runs if r["method"] == row["method"]])
                      for row in rows},
+        # A probe of 1, 2 and 4 completions as a predictor of a flat group (harness.targets.probe_prediction).
+        "probe_prediction": {row["method"]: probe_prediction([r for r in runs if r["method"] == row["method"]])
+                             for row in rows if row["method"] in CUT},
         "projection": project,
         "projection_sources": {"phases_of": args.phases_of, "paper_speedup": PAPER_SPEEDUP,
                                "typical_gpu_generation_share": TYPICAL_GPU_GENERATION_SHARE},

@@ -543,7 +543,8 @@ def cut_table(results: dict) -> str:
         if r is None:
             continue
         ci = r["heldout_final_diff_ci"]
-        at = next(p for p in data["projection"] if p["method"] == CUT_METHOD and abs(p["generation_share"] - 0.7) < 1e-9)
+        at = next(p for p in data["projection"]
+                  if p["method"] == CUT_METHOD and abs(p["generation_share"] - 0.7) < 1e-9)
         generation = r["generation_ratio"]
         body.append([engine, str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
                      _reached(r, "heldout_steps_to_90_ratio"),

@@ -230,3 +230,29 @@ def revisit_outcomes(runs):
                     counts[last[prompt]][1] += not flat
                 last[prompt] = state
     return {state: {"revisits": n, "spread_next": spread / n if n else None} for state, (n, spread) in counts.items()}
+
+
+PROBE_SIZES = (1, 2, 4)
+
+
+def probe_prediction(runs, sizes=PROBE_SIZES):
+    """How well a probe of the first ``k`` completions of a group predicts a group without signal, over the runs'
+    ``groups`` records that hold every reward (records from issue 42 on), each group weighted by its prompt weight
+    (``1 / pi`` under the cut: a Horvitz-Thompson estimate over every candidate, whatever steered acceptance).
+    Per ``k``: the weighted share of probes whose rewards agree, the share of those whose group is flat (a spread
+    probe always means a spread group), and the share of spread groups a flat probe hides. None without records."""
+    groups = [g for run in runs for generation in run["generations"] for g in generation.get("groups", [])
+              if len(g) >= 5]
+    if not groups:
+        return None
+    out = []
+    for k in sizes:
+        weight = lambda g: 1.0 if g[2] is None else g[2]  # noqa: E731
+        flat_probe = [g for g in groups if max(g[4][:k]) == min(g[4][:k])]
+        total, flat_total = sum(map(weight, groups)), sum(map(weight, flat_probe))
+        spread = sum(weight(g) for g in groups if not g[3])
+        hidden = sum(weight(g) for g in flat_probe if not g[3])
+        out.append({"k": k, "groups": len(groups), "probe_flat_share": flat_total / total,
+                    "group_flat_given_probe_flat": 1 - hidden / flat_total if flat_total else None,
+                    "spread_hidden_by_flat_probe": hidden / spread if spread else None})
+    return out

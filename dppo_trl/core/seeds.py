@@ -19,7 +19,8 @@ _STREAMS: dict[str, Callable[[int, int], int]] = {
     "keep": _keep,
     # The micro-batch plan of generation batch ``index``: independent of its keep draw.
     "microbatch_plan": lambda base, index: _keep(base, index) ^ 0x5851F42D4C957F2D,
-    # Prompt pruning's acceptance draw of generation batch ``index`` (its training position): independent of its keep draw.
+    # Prompt pruning's acceptance draw of generation batch ``index`` (its training position), independent of its
+    # keep draw.
     "prompt_cut": lambda base, index: _keep(base, index) ^ 0x3C6EF372FE94F82B,
     # The audit's offset: which generation batches it audits.
     "audit_offset": lambda base, index: (base * 0x9E3779B97F4A7C15 + 0x2545F4914F6CDD1D) % _MASK,

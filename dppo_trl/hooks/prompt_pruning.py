@@ -119,7 +119,8 @@ class PromptPruning:
         if lengths is None:  # nothing known of any candidate: accept them all (the batch's own count is GRPO's)
             ones = torch.ones(len(keys), dtype=torch.float64)
             return PromptCut(keys, ones, ones.bool(), None, ranks)
-        scores = prompt_score(self.args.prompt_score)(CutInputs(keys, history, None if probe is None else probe.rewards))
+        probe_rewards = None if probe is None else probe.rewards
+        scores = prompt_score(self.args.prompt_score)(CutInputs(keys, history, probe_rewards))
         accepted = accepted_per_rank(self.args.prompt_keep_rate, candidates_per_rank)
         generator = torch.Generator().manual_seed(self._seed_of("prompt_cut"))
         pi, keep = cut_decision(scores, ranks, accepted, self.args.prompt_keep_floor, generator)

@@ -39,8 +39,9 @@ class DPPOSummaryCallback(TrainerCallback):
         ]
         if logs:
             parts.append(f"reward {_number(logs[0]['reward'])} (first log) -> {_number(logs[-1]['reward'])} (last log)")
-        for key, label in (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_accepted_fraction", "prompts accepted"),
-                           ("dppo/prompt_generated_fraction", "completions generated")):
+        fractions = (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_accepted_fraction", "prompts accepted"),
+                     ("dppo/prompt_generated_fraction", "completions generated"))
+        for key, label in fractions:
             values = [h[key] for h in state.log_history if _is_number(h.get(key))]
             if values:
                 parts.append(f"{label} {sum(values) / len(values):.3f}")
