@@ -162,7 +162,9 @@ def main(argv):
         **({} if a.audit_sketch is None else
            dict(audit_every=1, audit_sketch_dim=a.audit_sketch, audit_exact_params=0, max_grad_norm=0.0)),
     )
-    dataset = addition_prompts(16 if a.prompt_keep_rate < 1 else 64)
+    # A history score needs revisits (16 prompts); the probe resumes within one epoch (after a resume in a later
+    # epoch the data order is TRL's, which differs from an uninterrupted run for GRPO too).
+    dataset = addition_prompts(16 if a.prompt_keep_rate < 1 and a.prompt_score != "probe" else 64)
     calls = []
     if a.stop is None:
         gradients = OptimizerGradients()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from datasets import concatenate_datasets
-from support.configs import N_ROWS, cpu_config, validation_config
+from support.configs import N_ROWS, cpu_config, float64_settings, validation_config
 from support.models import addition_prompts
 from support.oracle import assert_exact, dppo_loss_and_grad, make_trainer, synthetic_batch
 from support.outcomes import poisson_outcomes
@@ -274,6 +274,19 @@ def test_an_accepted_group_is_the_group_grpo_draws_probe_included(tmp_path, tiny
         assert torch.equal(weights, (1 / cut.pi[cut.accepted]).repeat_interleave(4))
         assert int(cut.accepted.sum()) == (4 if cut.normalizer is None else 2)  # nothing known: every candidate
     assert cut_any
+
+
+def test_the_cut_composes_with_prefix_sharing(tmp_path, tiny_model_dir, small_dataset, exact_logprobs):
+    """The cut with the probe, completion pruning, packing and prefix sharing, float64: each accepted group's kept
+    rows share their prompt (tokens saved), and the run ends where the same run with repeated prompts does."""
+    runs = [train(DPPOTrainer, tmp_path / str(sharing), tiny_model_dir, small_dataset, reward=random_reward,
+                  prompt_keep_rate=0.5, max_steps=3, prefix_sharing=sharing, **float64_settings())
+            for sharing in (True, False)]
+    saved = [h["dppo/prefix_tokens_saved"] for h in runs[0].state.log_history if "dppo/prefix_tokens_saved" in h]
+    assert saved and min(saved) > 0
+    assert all(h.get("dppo/prompt_accepted_fraction", 0.5) == 0.5 for h in runs[0].state.log_history)
+    for name, p in params_of(runs[1]).items():
+        torch.testing.assert_close(params_of(runs[0])[name], p, rtol=1e-9, atol=1e-12)
 
 
 def test_resume_reproduces_the_cut(tmp_path, tiny_model_dir, small_dataset):
