@@ -74,6 +74,9 @@ METHODS = {
     "dppo+calibrated": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="calibrated"),
     # Issue 42: the cut (2 of each step's 4 prompts generated), set by a probe of 2 completions of every candidate.
     "dppo+cut": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="probe", prompt_probe_generations=2),
+    # The cut set by the history alone (one generation call a step).
+    "dppo+cut-calibrated": dict(completion_keep_rate=0.5, prompt_keep_rate=0.5, prompt_score="calibrated",
+                                prompt_probe_generations=0),
     "packing": dict(completion_keep_rate=1.0),
     # DPPO with every other batch audited: its logged time ratios, checked against the paired runs' (not for timing:
     # the audit runs GRPO's passes too).
@@ -82,7 +85,7 @@ METHODS = {
 PROMPT_PRUNED = {name for name, settings in METHODS.items() if (settings or {}).get("prompt_keep_rate", 1.0) < 1.0}
 # The methods that generate fewer groups a step (the cut, issue 42); the others' records are of the retired fill
 # mode, which generated GRPO's batch every step.
-CUT = {"dppo+cut"}
+CUT = {"dppo+cut", "dppo+cut-calibrated"}
 # Trainer settings every method of a run gets: TRL's defaults (`dapo`), its other loss types, and GSPO.
 VARIANTS = {
     "dapo": {},

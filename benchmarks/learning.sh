@@ -5,8 +5,7 @@
 # seed with the projection from paired per-phase runs: for TRL's default loss, make bench-prefix's (prefix sharing on,
 # the default), for the other losses make bench-real-phases' (recorded before it).
 #
-#   bash benchmarks/learning.sh 0 1 2 3 4 5    # TRL's defaults (dapo): GRPO, DPPO, DPPO + prompt pruning (the retired
-#                                              # fill mode's records, both scores; the cut with the probe and history)
+#   bash benchmarks/learning.sh 0 1 2 3 4 5    # TRL's defaults (dapo): GRPO, DPPO, DPPO + prompt pruning (both scores)
 #   VARIANT=gspo METHODS="grpo dppo" bash benchmarks/learning.sh 0 1 2
 #   ENGINE=vllm bash benchmarks/learning.sh 0 1 2 3 4 5    # vLLM generating, colocated (the vLLM lane's venv)
 #   PARALLEL=1 bash benchmarks/learning.sh 4 5             # seeds one at a time (default: 2, with vLLM 1)
@@ -19,11 +18,11 @@ mkdir -p "$DIR"
 case "$ENGINE" in
     transformers)
         PY=${PYTHON:-.venv/bin/python}
-        METHODS=${METHODS:-grpo dppo dppo+prompt dppo+calibrated dppo+cut dppo+cut-calibrated}
+        METHODS=${METHODS:-grpo dppo dppo+prompt dppo+calibrated}
         PARALLEL=${PARALLEL:-2} engine_flag=() engine_tag="" ;;
     vllm)
         PY=${PYTHON:-.venv-vllm/bin/python}
-        METHODS=${METHODS:-grpo dppo dppo+calibrated dppo+cut}  # the ema score's 6 transformers seeds settled it
+        METHODS=${METHODS:-grpo dppo dppo+calibrated}  # the ema score's 6 transformers seeds settled it
         # A colocated engine's run holds 10-12 GiB: two do not fit in 24 GiB. One run with glibc's large blocks
         # returned at free (MALLOC_MMAP_THRESHOLD_=131072) holds 5-10 GiB and fits beside one without, at 1.6x
         # the time per step (2026-12-05, seeds 2-5).

@@ -428,6 +428,7 @@ REAL_LABELS = {"grpo": "GRPO (TRL)", "dppo": "DPPO (keep 0.5)",
                "dppo+prompt": "DPPO + prompt pruning, retired fill mode (0.5, ema score)",
                "dppo+calibrated": "DPPO + prompt pruning, retired fill mode (0.5, calibrated score)",
                "dppo+cut": "DPPO + the cut (2 of 4 prompts, probe of 2)",
+               "dppo+cut-calibrated": "DPPO + the cut (2 of 4 prompts, calibrated history score)",
                "dppo+audit": "DPPO, every other batch audited"}
 
 
@@ -527,30 +528,46 @@ def projection_table(results: dict) -> str:
     return md_table(header, body)
 
 
-CUT_METHOD = "dppo+cut"
+CUT_METHODS = ("dppo+cut", "dppo+cut-calibrated")
 
 
 def cut_table(results: dict) -> str:
-    """bench_real*_learning.json, the cut (issue 42) per engine: learning per step (steps to 90% of GRPO's rise),
-    the held-out score's paired difference, generation per step over GRPO's (median over seeds of the paired
-    ratio), and the projected time to the training-reward target over GRPO's at a GPU-like generation share."""
-    header = ["generating with", "seeds", "steps to target: reward", "steps: held-out",
-              "held-out minus GRPO's, 95% CI", "generation per step vs GRPO", "generated groups without signal",
+    """bench_real*_learning.json, the cut (issue 42) per engine and predictor: learning per step (steps to 90% of
+    GRPO's rise), the held-out score's paired difference, generation per step over GRPO's (median over seeds of the
+    paired ratio), the accepted groups without signal, and the projected time to the training-reward target over
+    GRPO's at a GPU-like generation share."""
+    header = ["generating with", "method", "seeds", "steps to target: reward", "steps: held-out",
+              "held-out minus GRPO's, 95% CI", "generation per step vs GRPO", "accepted groups without signal",
               "projected time to target at 70% generation"]
     body = []
     for engine, data in learning_records(results, LEARNING_RUNS[:DEFAULT_LOSS_RUNS]):
-        r = {row["method"]: row for row in data["results"]}.get(CUT_METHOD)
-        if r is None:
-            continue
-        ci = r["heldout_final_diff_ci"]
-        at = next(p for p in data["projection"]
-                  if p["method"] == CUT_METHOD and abs(p["generation_share"] - 0.7) < 1e-9)
-        generation = r["generation_ratio"]
-        body.append([engine, str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
-                     _reached(r, "heldout_steps_to_90_ratio"),
-                     "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
-                     f"{generation[0]:.2f} ± {generation[1]:.2f}", f"{r['zero_variance_share']:.0%}",
-                     f"{at['time_ratio']:.2f} ± {at['time_ratio_se']:.2f} ({1 / at['time_ratio']:.2f}x)"])
+        by_method = {row["method"]: row for row in data["results"]}
+        for method in CUT_METHODS:
+            r = by_method.get(method)
+            if r is None:
+                continue
+            ci = r["heldout_final_diff_ci"]
+            at = next(p for p in data["projection"]
+                      if p["method"] == method and abs(p["generation_share"] - 0.7) < 1e-9)
+            generation = r["generation_ratio"]
+            body.append([engine, REAL_LABELS[method], str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
+                         _reached(r, "heldout_steps_to_90_ratio"),
+                         "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                         f"{generation[0]:.2f} ± {generation[1]:.2f}", f"{r['zero_variance_share']:.0%}",
+                         f"{at['time_ratio']:.2f} ± {at['time_ratio_se']:.2f} ({1 / at['time_ratio']:.2f}x)"])
+    return md_table(header, body)
+
+
+def probe_table(results: dict) -> str:
+    """bench_real*_learning.json's ``probe_prediction`` of the cut with the probe: per engine and probe size ``k``,
+    the share of flat probes, the share of those whose group is flat, and the share of spread groups a flat probe
+    hides (Horvitz-Thompson over every candidate)."""
+    header = ["generating with", "probe of k", "groups", "probes whose rewards agree",
+              "of those, groups without signal", "groups with signal behind a flat probe"]
+    body = [[engine, str(p["k"]), str(p["groups"]), f"{p['probe_flat_share']:.0%}",
+             f"{p['group_flat_given_probe_flat']:.0%}", f"{p['spread_hidden_by_flat_probe']:.0%}"]
+            for engine, data in learning_records(results, LEARNING_RUNS[:DEFAULT_LOSS_RUNS])
+            for p in (data.get("probe_prediction") or {}).get("dppo+cut") or []]
     return md_table(header, body)
 
 
@@ -757,6 +774,7 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_real_projection": (ALL_RESULTS, projection_table),
     "bench_real_prompt_pruning": ("bench_real_learning", prompt_pruning_table),
     "bench_real_cut": (ALL_RESULTS, cut_table),
+    "bench_real_probe": (ALL_RESULTS, probe_table),
     "bench_real_revisits": ("bench_real_learning", revisits_table),
     "bench_real_phases": (ALL_RESULTS, phases_table),
     "bench_prefix": ("bench_prefix", prefix_table),
