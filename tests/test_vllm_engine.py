@@ -32,6 +32,8 @@ SCENARIOS = {
     # Batches 0-3 as above; batch 4 keeps nothing (a constant reward); batch 5 trains (steps 11 and 12).
     "dppo_keep_half": dict(trainer="dppo", max_steps=12, modes=MODES + ["token_truncate"] * 2,
                            constant_reward_batches=[4], trained_steps=[11, 12], dppo=dict(completion_keep_rate=0.5)),
+    # Prompt pruning's cut with the probe: 2 of each batch's 4 prompts generated, the probe's completions spliced in.
+    "dppo_cut": dict(trainer="dppo", max_steps=4, modes=MODES[:2], dppo=dict(prompt_keep_rate=0.5)),
 }
 COMPARED = len(MODES)  # generation batches at the same parameters in every run
 # VLLM_CPU_CI_ENV: vLLM's own switch for its CPU CI, dynamo with the eager backend instead of inductor (the same
@@ -163,6 +165,22 @@ def test_keep_half_trains_the_adapter_only(runs):
     assert any(not torch.equal(before[n], after[n]) for n in lora)
     assert all(torch.equal(before[n], after[n]) for n in before if "lora_" not in n)
     assert all(s["gradient"] is not None and s["gradient"].norm() > 0 for s in dppo["steps"][10:])
+
+
+def test_the_cut_splices_the_probes_vllm_completions_into_the_accepted_groups(runs):
+    """Under a real engine: each batch holds the 2 accepted groups of its 4 candidates, every completion (the
+    probe's 2 of each group, then vLLM's 2 more) with vLLM's sampling log-probs on its tokens and TRL's IS ratio, and
+    the run logs the completions it generated: 4 x 2 + 2 x 2 of GRPO's 16."""
+    run = runs["dppo_cut"]
+    assert len(run["records"]) == 2
+    for record in run["records"]:
+        mask = record["completion_mask"].bool()
+        assert record["completion_ids"].size(0) == 8
+        sampled = record["sampling_per_token_logps"][mask]
+        assert bool(torch.isfinite(sampled).all()) and bool((sampled <= 0).all())
+        assert bool(torch.isfinite(record["importance_sampling_ratio"]).all())
+    logs = [h for h in run["logs"] if "dppo/prompt_generated_fraction" in h]
+    assert logs and all(h["dppo/prompt_generated_fraction"] == 0.75 for h in logs)
 
 
 def test_server_mode_cannot_sync_weights_from_a_cpu_trainer():
