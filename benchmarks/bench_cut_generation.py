@@ -1,8 +1,8 @@
 """What prompt pruning's cut costs in generation on the real model (issue 42): GRPO's one generation call (P prompts
-x G completions) against the cut's two (the probe, P x k; then the rest of the accepted groups, m x (G - k)), timed
-in turn, call for call, on the same trainer and prompts, so that a change of load falls on both (SmolLM2-135M-Instruct
-+ LoRA, reasoning-gym chain_sum, TRL's own ``_generate``). With ``--vllm``: vLLM colocated (prefix caching on, its
-default), in the vLLM lane's venv.
+x G completions) against the cut with the probe (two calls: the probe, P x k; then the rest of the accepted groups,
+m x (G - k)) and the cut by history (one call, m x G), timed in turn, call for call, on the same trainer and
+prompts, so that a change of load falls on all three (SmolLM2-135M-Instruct + LoRA, reasoning-gym chain_sum, TRL's
+own ``_generate``). With ``--vllm``: vLLM colocated (prefix caching on, its default), in the vLLM lane's venv.
 
     python benchmarks/bench_cut_generation.py --reps 12
     MASTER_PORT=29650 .venv-vllm/bin/python benchmarks/bench_cut_generation.py --vllm --reps 12
@@ -64,36 +64,35 @@ def main() -> None:
     started = time.perf_counter()
     trainer, dataset = build_trainer(args.vllm, args.prompts_per_step, group, args.max_completion_length)
     p, m, k = args.prompts_per_step, args.accepted, args.probe
-    grpo, cut, probe = [], [], []
+    times = {"grpo": [], "dppo+cut": [], "dppo+cut-calibrated": [], "probe": []}
     for rep in range(args.warmup + args.reps):
         prompts = [dataset[(rep * p + j) % len(dataset)]["prompt"] for j in range(p)]
 
-        def run_grpo():
-            return timed_generation(trainer, prompts, group)
-
-        def run_cut():
+        def with_probe():
             first = timed_generation(trainer, prompts, k)
-            return first, first + timed_generation(trainer, prompts[:m], group - k)
+            return {"probe": first, "dppo+cut": first + timed_generation(trainer, prompts[:m], group - k)}
 
-        if rep % 2 == 0:  # alternate which goes first
-            g, (f, c) = run_grpo(), run_cut()
-        else:
-            (f, c), g = run_cut(), run_grpo()
+        calls = [lambda: {"grpo": timed_generation(trainer, prompts, group)}, with_probe,
+                 lambda: {"dppo+cut-calibrated": timed_generation(trainer, prompts[:m], group)}]
+        measured = {}
+        for i in range(3):  # rotate which goes first
+            measured.update(calls[(rep + i) % 3]())
         if rep >= args.warmup:
-            grpo.append(g), cut.append(c), probe.append(f)
-    ratios = [c / g for c, g in zip(cut, grpo)]
-    ratio, ratio_se = mean_se(ratios)
-    completions = (p * k + m * (group - k)) / (p * group)
+            for name, seconds in measured.items():
+                times[name].append(seconds)
     engine = "vLLM colocated" if args.vllm else "transformers"
-    print(f"{engine}: GRPO's generation {statistics.mean(grpo):.2f} s, the cut's {statistics.mean(cut):.2f} s "
-          f"(probe {statistics.mean(probe):.2f} s): {ratio:.3f} ± {ratio_se:.3f} of GRPO's per step, "
-          f"for {completions:.3f} of its completions")
+    completions = {"dppo+cut": (p * k + m * (group - k)) / (p * group), "dppo+cut-calibrated": m / p}
+    ratios = {}
+    for method in completions:
+        ratio, se = mean_se([c / g for c, g in zip(times[method], times["grpo"])])
+        ratios[method] = {"ratio_mean": ratio, "ratio_se": se, "completions_ratio": completions[method]}
+        print(f"{engine}, {method}: {statistics.mean(times[method]):.2f} s against GRPO's "
+              f"{statistics.mean(times['grpo']):.2f} s: {ratio:.3f} ± {se:.3f} of GRPO's generation per step, for "
+              f"{completions[method]:.3f} of its completions")
     path = args.json or result_path("bench_cut_generation" + ("_vllm" if args.vllm else ""))
     out = write_json(path, {
         "config": {k_: v for k_, v in vars(args).items() if k_ != "json"} | {"group": group, "engine": engine},
-        "grpo_seconds": grpo, "cut_seconds": cut, "probe_seconds": probe,
-        "ratio_mean": ratio, "ratio_se": ratio_se, "completions_ratio": completions,
-        "elapsed_s": time.perf_counter() - started,
+        "seconds": times, "ratios": ratios, "elapsed_s": time.perf_counter() - started,
     })
     print(f"wrote {out}")
     os._exit(0)  # vLLM's engine threads would hold the exit

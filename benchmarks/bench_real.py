@@ -221,6 +221,8 @@ def main(argv=None):
                         help="keep the runs already in this --json's per-step records (same settings); run the rest")
     parser.add_argument("--phases-of", default=None,
                         help="a summary JSON of short paired runs: its training-phase ratios make the projection")
+    parser.add_argument("--generation-of", default=None,
+                        help="bench_cut_generation.py's JSON: the cut's generation ratios for the projection")
     args = parser.parse_args(argv)
     runs_file = runs_path(args.json)  # per-step records, written before any summary
     if args.from_runs:
@@ -319,10 +321,29 @@ def speed_figures(args, runs, rows):
                              for m in PROMPT_PRUNED if m in ideal})
         steps = {r["method"]: (r["steps_to_90_ratio_mean"], r["steps_to_90_ratio_se"]) for r in rows
                  if r["method"] != "grpo"}
-        generation = {r["method"]: tuple(r["generation_ratio"]) for r in rows
-                      if r["method"] in CUT and r.get("generation_ratio")}
-        project = projection(steps, training, generation_ratios=generation)
+        project = projection(steps, training, generation_ratios=cut_generation_ratios(args, rows))
     return check, project
+
+
+def cut_generation_ratios(args, rows) -> dict:
+    """The cut's generation per step over GRPO's, by method: from ``--generation-of`` (bench_cut_generation.py: the
+    calls timed in turn, so load falls on both) where it has the method, else from the learning runs (recorded one
+    after the other, under whatever load each met). Each row records the one used."""
+    interleaved = read_json(args.generation_of)["ratios"] if args.generation_of else {}
+    ratios = {}
+    for row in rows:
+        if row["method"] not in CUT:
+            continue
+        if row["method"] in interleaved:
+            measured = interleaved[row["method"]]
+            ratios[row["method"]] = (measured["ratio_mean"], measured["ratio_se"])
+            row["generation_ratio_source"] = "interleaved"
+        elif row.get("generation_ratio"):
+            ratios[row["method"]] = tuple(row["generation_ratio"])
+            row["generation_ratio_source"] = "learning runs"
+        if row["method"] in ratios:
+            row["generation_ratio_projected"] = list(ratios[row["method"]])
+    return ratios
 
 
 def audit_check(runs, rows):
@@ -382,7 +403,8 @@ def report(args, runs, trainer_args, elapsed, runs_file):
             plots.append(plot_projection(project, Path(args.plots) / f"{Path(args.json).stem}_projection.png",
                                          PAPER_SPEEDUP, TYPICAL_GPU_GENERATION_SHARE))
     out = write_json(args.json, {
-        "config": {k: v for k, v in vars(args).items() if k not in ("from_runs", "phases_of", "resume")},
+        "config": {k: v for k, v in vars(args).items()
+                   if k not in ("from_runs", "phases_of", "generation_of", "resume")},
         "seeds": sorted({r["seed"] for r in runs}),
         "trainer_args": trainer_args,
         "lora": LORA,
@@ -400,7 +422,8 @@ def report(args, runs, trainer_args, elapsed, runs_file):
         "probe_prediction": {row["method"]: probe_prediction([r for r in runs if r["method"] == row["method"]])
                              for row in rows if row["method"] in CUT},
         "projection": project,
-        "projection_sources": {"phases_of": args.phases_of, "paper_speedup": PAPER_SPEEDUP,
+        "projection_sources": {"phases_of": args.phases_of, "generation_of": args.generation_of,
+                               "paper_speedup": PAPER_SPEEDUP,
                                "typical_gpu_generation_share": TYPICAL_GPU_GENERATION_SHARE},
         "plots": plots,
     })

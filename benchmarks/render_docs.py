@@ -537,7 +537,8 @@ def cut_table(results: dict) -> str:
     paired ratio), the accepted groups without signal, and the projected time to the training-reward target over
     GRPO's at a GPU-like generation share."""
     header = ["generating with", "method", "seeds", "steps to target: reward", "steps: held-out",
-              "held-out minus GRPO's, 95% CI", "generation per step vs GRPO", "accepted groups without signal",
+              "held-out minus GRPO's, 95% CI", "generation per step vs GRPO (interleaved calls)",
+              "accepted groups without signal",
               "projected time to target at 70% generation"]
     body = []
     for engine, data in learning_records(results, LEARNING_RUNS[:DEFAULT_LOSS_RUNS]):
@@ -549,7 +550,7 @@ def cut_table(results: dict) -> str:
             ci = r["heldout_final_diff_ci"]
             at = next(p for p in data["projection"]
                       if p["method"] == method and abs(p["generation_share"] - 0.7) < 1e-9)
-            generation = r["generation_ratio"]
+            generation = r.get("generation_ratio_projected") or r["generation_ratio"]
             body.append([engine, REAL_LABELS[method], str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
                          _reached(r, "heldout_steps_to_90_ratio"),
                          "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
