@@ -1,2 +1,2 @@
 """DPPO's math: plain functions on tensors, no TRL import (the designs, the cube, the estimator and its loss-type
-table, packing, the prompt sampler, the audit's math, weighted statistics, TRL's mirrored formulas, seeds)."""
+table, packing, prompt pruning's cut, the audit's math, weighted statistics, TRL's mirrored formulas, seeds)."""

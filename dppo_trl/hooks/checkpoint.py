@@ -1,5 +1,5 @@
 """DPPO's state in a checkpoint: one file, ``dppo_state.json``, one entry per stateful part (``prompt_pruning``:
-the sampler; ``audit``: the audit's records), each the part's ``state_dict``. Checkpoints written before it held
+the prompt history; ``audit``: the audit's records), each the part's ``state_dict``. Checkpoints written before it held
 two files (``dppo_prompt_sampler.json``, ``dppo_audit.pt``); they are read on resume too."""
 
 from __future__ import annotations
