@@ -118,7 +118,7 @@ class KeepDecision:
             costs=batch.sequence_lengths,
             groups=torch.arange(scores.numel()) // self.num_generations,
             rewards=None if batch.rewards_per_func is None else self._aggregated_rewards(batch),
-            keep_rate=self.args.completion_keep_rate,
+            keep_rate=self.args.completion_keep_rate * self._completion_budget_scale(batch),
             keep_floor=self.args.keep_floor,
             zero_score_contributes=self.beta != 0.0 or self._entropy_bonus_enabled,
             contributes_nothing=batch.loss_tokens == 0,
@@ -131,6 +131,14 @@ class KeepDecision:
         # measured error exceeded it on earlier audited batches (never this batch's draw).
         target = self.args.adaptive_keep_error / self._measured_error_scale()
         return dataclasses.replace(problem, keep_rate=adaptive_keep_rate(problem, target))
+
+    @staticmethod
+    def _completion_budget_scale(batch: GenerationBatch) -> float:
+        """Under prompt pruning's cut, ``completion_keep_rate`` is a fraction of GRPO's batch (every candidate's
+        rows), not of the accepted rows: the cut saves generation and leaves the trained rows' budget DPPO's. A
+        function of counts fixed before the draw (``m`` of ``P`` on every rank)."""
+        cut = batch.cut
+        return 1.0 if cut is None else cut.accepted.numel() / max(int(cut.accepted.sum()), 1)
 
     def _gather_row_tokens(self, output: dict, batch: GenerationBatch) -> None:
         """Every rank's per-row token counts (prompt, completion, loss tokens) and padded widths (prompt, completion
