@@ -181,7 +181,8 @@ class DPPOConfig(GRPOConfig):
             Prompt pruning before rollout: of the prompts GRPO's sampler yields for a step, each process generates
             only `round(prompt_keep_rate x P)` of its `P`, drawn with probabilities set by `prompt_score` and
             reweighted by `1 / pi`, so that the expected step stays GRPO's (what holds, per loss type:
-            `docs/prompt_pruning.md`). `1.0`: off. Refused with `scale_rewards="batch"` or
+            `docs/prompt_pruning.md`). `completion_keep_rate` then counts GRPO's rows, not the accepted ones. `1.0`:
+            off. Refused with `scale_rewards="batch"` or
             `multi_objective_aggregation="normalize_then_sum"`: a batch-level reward statistic over the accepted
             prompts is not GRPO's (`docs/estimator.md`, section 2b).
         prompt_keep_floor (`float`, *optional*, defaults to `0.1`):

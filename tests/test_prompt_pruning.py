@@ -276,6 +276,15 @@ def test_an_accepted_group_is_the_group_grpo_draws_probe_included(tmp_path, tiny
     assert cut_any
 
 
+def test_under_the_cut_the_completion_budget_counts_grpos_rows(tmp_path, tiny_model_dir, small_dataset):
+    """completion_keep_rate 0.25 of GRPO's 16 rows is 4 rows: 0.5 of the 8 accepted ones (the design's rate)."""
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, small_dataset, reward=random_reward, prompt_keep_rate=0.5,
+                    completion_keep_rate=0.25, per_device_train_batch_size=16, max_steps=2)
+    logs = [h for h in trainer.state.log_history if "dppo/keep_rate" in h]
+    assert len(logs) == 2 and all(h["dppo/keep_rate"] == 0.5 for h in logs)
+    assert all(h["dppo/expected_keep_fraction"] == pytest.approx(0.5) for h in logs)
+
+
 def test_the_cut_composes_with_prefix_sharing(tmp_path, tiny_model_dir, small_dataset, exact_logprobs):
     """The cut with the probe, completion pruning, packing and prefix sharing, float64: each accepted group's kept
     rows share their prompt (tokens saved), and the run ends where the same run with repeated prompts does."""
