@@ -102,11 +102,12 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
     assert len(table) == 5 and table[0].startswith("| run |")  # GRPO's own rows (all 1) are left out
     assert table[2] == ("| transformers | DPPO (keep 0.5) | 3 | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | "
                         "0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | +0.010 [-0.040, +0.060] | yes |")
-    assert table[3].startswith("| transformers | DPPO + prompt pruning (0.5, ema score) | 3 | - (0/3) | 0.80 (1/3) |")
+    fill = "DPPO + prompt pruning, retired fill mode (0.5, ema score)"
+    assert table[3].startswith(f"| transformers | {fill} | 3 | - (0/3) | 0.80 (1/3) |")
     assert table[3].endswith("| no |") and table[4].startswith("| vLLM, colocated | DPPO (keep 0.5) | 2 | 1.10 ± 0.05")
     assert len(render_docs.learning_table({"bench_real_learning": results["bench_real_learning"]}).splitlines()) == 4
     reasoning = render_docs.reasoning_targets_table({"results": [dict(grpo, seeds=3), dict(once, seeds=3)]})
-    assert reasoning.splitlines()[2].startswith("| DPPO + prompt pruning (0.5, ema score) | 3 | - (0/3) | 0.80 (1/3) |")
+    assert reasoning.splitlines()[2].startswith(f"| {fill} | 3 | - (0/3) | 0.80 (1/3) |")
     projection = [{"method": "dppo", "generation_share": s, "time_ratio": t, "time_ratio_se": 0.01}
                   for s, t in ((0.1, 0.25), (0.7, 0.5))]
     faster = [dict(p, time_ratio=p["time_ratio"] / 2) for p in projection]
