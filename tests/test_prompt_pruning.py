@@ -346,6 +346,19 @@ def test_trls_own_test_shapes_run(tmp_path, tiny_model_dir, small_dataset, loss_
     assert {"rewards/coarse_reward/mean", "rewards/weighted_rewards/mean"} <= set(last)
 
 
+def test_trls_prepare_inputs_test_shape_runs(tmp_path, tiny_model_dir, small_dataset):
+    """TRL's ``test_prepare_input_called_with_correct_data`` shape: gradient_accumulation_steps 3 < spg 4, 4
+    completions a prompt, a per-device batch of 6, num_iterations 2, no shuffle: it trains its 6 steps, and every
+    generation batch generates 3 of its 6 candidates."""
+    trainer = train(recording(record_prompt_decisions=True), tmp_path, tiny_model_dir, small_dataset,
+                    reward=random_reward, prompt_keep_rate=0.5, gradient_accumulation_steps=3, steps_per_generation=4,
+                    num_generations=4, per_device_train_batch_size=6, num_iterations=2, shuffle_dataset=False,
+                    max_steps=6)
+    assert trainer.state.global_step == 6
+    accepted = [int(cut.accepted.sum()) for *_, cut in trainer.prompt_decisions]
+    assert len(accepted) >= 2 and set(accepted) == {3}
+
+
 def test_every_completion_masked_trains_without_error(tmp_path, tiny_model_dir, small_dataset):
     """``mask_truncated_completions`` with completions that are all truncated: no loss token anywhere, the token
     count fixed before the draw is 0 (the probe saw only truncated completions); the step is 0, not an error."""
