@@ -106,3 +106,27 @@ def test_revisit_outcomes_count_what_each_look_of_a_prompts_last_group_gave_next
     assert table["every completion failed"] == {"revisits": 1, "spread_next": 1.0}
     assert table["spread"] == {"revisits": 2, "spread_next": 0.0}
     assert table["every completion solved"] == {"revisits": 1, "spread_next": 0.0}
+
+
+def test_the_cuts_projection_shrinks_generation_by_its_ratio():
+    """Under the cut, generation per step is ``g`` of GRPO's: the step ratio at share s is ``s g + (1 - s) t``."""
+    [at] = targets.projection({"cut": (0.9, 0.0)}, {"cut": (0.2, 0.0)}, shares=(0.7,),
+                              generation_ratios={"cut": (0.6, 0.0)})
+    assert at["time_ratio"] == pytest.approx(0.9 * (0.7 * 0.6 + 0.3 * 0.2))
+    [grpo_generation] = targets.projection({"cut": (0.9, 0.0)}, {"cut": (0.2, 0.0)}, shares=(0.7,))
+    assert grpo_generation["time_ratio"] == pytest.approx(0.9 * (0.7 + 0.3 * 0.2))
+
+
+def test_a_probe_predicts_flat_groups_weighted_over_every_candidate():
+    """Per k: the weighted share of flat probes (the group's first k rewards equal), of those the share whose group
+    is flat, and the share of spread groups a flat probe hides; records without rewards are left out."""
+    groups = [["a", 0.0, 1.0, True, [0.0, 0.0, 0.0, 0.0]],   # flat, flat probes of every size
+              ["b", 0.5, 3.0, False, [0.0, 0.0, 1.0, 1.0]],  # spread behind a flat probe of 2, seen by 4
+              ["c", 0.5, 1.0, False, [0.0, 1.0, 1.0, 0.0]],  # spread, seen by a probe of 2
+              ["d", 0.5, 1.0, False]]                         # an older record: no rewards
+    out = {p["k"]: p for p in targets.probe_prediction([{"generations": [{"groups": groups}]}], sizes=(1, 2, 4))}
+    assert out[2]["groups"] == 3 and out[2]["probe_flat_share"] == pytest.approx(4 / 5)
+    assert out[2]["group_flat_given_probe_flat"] == pytest.approx(1 / 4)
+    assert out[2]["spread_hidden_by_flat_probe"] == pytest.approx(3 / 4)
+    assert out[1]["probe_flat_share"] == 1.0 and out[4]["spread_hidden_by_flat_probe"] == 0.0
+    assert targets.probe_prediction([{"generations": [{"groups": [groups[3]]}]}]) is None
