@@ -34,8 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ("README.md", "docs/benchmarks.md")
-# Docs rendered and checked too (by `make docs` and their own tests) that do not quote every figure DOCS must.
-MORE_DOCS = ("docs/usage.md",)  # the gradient audit's cost and false-alarm rates (tests/test_audit.py checks them)
+# Docs rendered and checked too (by `make docs` and tests/test_docs_tables.py) that do not quote every figure DOCS
+# must: the gradient audit's cost and false-alarm rates (tests/test_audit.py checks them too), the cut's figures.
+MORE_DOCS = ("docs/usage.md", "docs/prompt_pruning.md")
 
 # DPPOConfig's defaults as the labels state them (tests/test_docs_tables.py checks them against DPPOConfig).
 DEFAULT_DESIGN = "stratified"
