@@ -91,10 +91,11 @@ def test_bench_e2e_runs_every_method_and_sweep_and_plots(tmp_path, capsys):
     runs = json.loads((tmp_path / data["runs_file"]).read_text())
     pruned = [r for r in runs if r["method"] == "dppo+prompt"][0]
     assert len(pruned["steps"]) == 12 + 8 and pruned["evals"][-1]["step"] == 20  # extension: 6 rounded up to 8
-    # Full generation batches throughout (what prompt pruning reweights is tested on built inputs in
-    # test_prompt_pruning.py and test_exactness.py, not here: it depends on this tiny run's rewards).
+    # The cut at 0.5 with the ema score: every group at the first step (nothing seen), half of GRPO's after (what
+    # prompt pruning reweights is tested on built inputs in test_prompt_pruning.py, not here).
     grpo_run = [r for r in runs if r["method"] == "grpo"][0]
-    assert {g["completions"] for g in pruned["generations"]} == {grpo_run["generations"][0]["completions"]}
+    full = grpo_run["generations"][0]["completions"]
+    assert [g["completions"] for g in pruned["generations"]] == [full] + [full // 2] * (len(pruned["generations"]) - 1)
     assert [r["method"] for r in tables["completion_keep_rate"]] == ["grpo", "keep=1.0", "keep=0.75", "keep=0.5",
                                                                       "keep=0.25"]
     assert len(data["plots"]) == 6 and all(Path(p).stat().st_size > 10_000 for p in data["plots"])
