@@ -247,10 +247,11 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
     assert "GRPO's curve:" in capsys.readouterr().out
     records = json.loads((tmp_path / "real_runs.json").read_text())["runs"]
     per_step = {run["method"]: run["generations"] for run in records}
-    for method, generations in per_step.items():  # each group's prompt, mean reward and prompt weight
+    for method, generations in per_step.items():  # each group's prompt, mean reward, prompt weight and rewards
         for generation in generations:
-            [(prompt, reward, weight, flat)] = generation["groups"]
+            [(prompt, reward, weight, flat, rewards)] = generation["groups"]
             assert len(prompt) == 8 and reward == pytest.approx(generation["reward"], abs=1e-4)
+            assert sum(rewards) / len(rewards) == pytest.approx(reward, abs=1e-3)
             assert flat == (generation["zero_variance_groups"] == 1.0)
             assert (weight is None) == (method in ("grpo", "dppo", "dppo+repeated"))
     again = bench_real.main(
