@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 
-from .pruning import keep_probabilities, refuse_taken_name
+from .pruning import keep_probabilities, refuse_taken_name, zero_variance_mask
 
 
 def prompt_key(prompt) -> str:
@@ -92,10 +91,7 @@ def expected_candidate_tokens(predicted_lengths: torch.Tensor, group_size: int) 
 
 def spread_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(C,) bool: the groups of ``group_size`` consecutive rewards that are not all equal (NaN ignored)."""
-    grouped = rewards.to(torch.float64).view(-1, group_size)
-    high = torch.nan_to_num(grouped, nan=-math.inf).amax(1)
-    low = torch.nan_to_num(grouped, nan=math.inf).amin(1)
-    return high > low
+    return zero_variance_mask(rewards, group_size).view(-1, group_size)[:, 0]
 
 
 # What a prompt's last group looked like: its rewards flat or spread, times where its mean reward lies in the run's
