@@ -87,6 +87,7 @@ ALLOWED_VALUES: dict[str, Allowed] = {
     "audit_every": Allowed(lambda v: _integer(v, 0), "an integer >= 0"),
     "audit_sketch_dim": Allowed(lambda v: _integer(v, 1), "an integer >= 1"),
     "audit_exact_params": Allowed(lambda v: _integer(v, 0), "an integer >= 0"),
+    "speed_check": Allowed(lambda v: isinstance(v, bool), "True or False"),
     "prompt_keep_rate": _UNIT_INTERVAL,
     "prompt_keep_floor": _UNIT_INTERVAL,
     "prompt_history_decay": Allowed(lambda v: is_real_number(v) and 0 <= v < 1, "a number in [0, 1)"),
@@ -114,9 +115,9 @@ class DPPOConfig(GRPOConfig):
     fields below. Each is validated when the config is built, before any model is loaded, with an error that names
     the field, the value and what is allowed (`ALLOWED_VALUES`); valid settings that the configuration does not use
     give one warning, not an error (`UNUSED_SETTING_RULES`): sweeps and one-flag baselines override one field over
-    a recipe that sets others. docs/config.md is generated from `DPPOConfig`'s docstring and those two tables of
-    dppo_trl/config.py (`python -m dppo_trl.config_reference --write`; `tests/test_config_reference.py` fails
-    when they disagree).
+    a recipe that sets others. This docstring is the fields' reference in an installed package
+    (`help(dppo_trl.DPPOConfig)`; `dppo-trl --help-all` lists each field with a short help); the repository's
+    docs/config.md is generated from it and those two tables.
 
     Parameters:
         > Parameters that control completion pruning
@@ -174,6 +175,12 @@ class DPPOConfig(GRPOConfig):
         audit_exact_params (`int`, *optional*, defaults to `8388608`):
             Up to this many trainable parameters the audit compares the gradients exactly, above it through the
             sketch (the memory of each: `docs/usage.md`, "The gradient audit"). `0`: always sketch.
+        speed_check (`bool`, *optional*, defaults to `True`):
+            Time GRPO's training passes once, beside DPPO's, on one early generation batch (the second; the first
+            when the run has one) at the same parameters, with training unchanged: the summary line and the final
+            log (`report_to`) get the measured step time ratio, generation's share of GRPO's step and the projected
+            time saved (`docs/usage.md`, "What the run saved"). It costs one more training phase of each method,
+            once. Not run under prompt pruning, DeepSpeed or FSDP (the summary says so).
 
         > Parameters that control prompt pruning
 
@@ -289,6 +296,13 @@ class DPPOConfig(GRPOConfig):
         default=_DEFAULT_AUDIT_EXACT_PARAMS,
         metadata={
             "help": "Up to this many trainable parameters the audit compares the gradients exactly; 0: always sketch."
+        },
+    )
+    speed_check: bool = field(
+        default=True,
+        metadata={
+            "help": "Time GRPO's training passes once beside DPPO's, on one early batch: the summary and the final "
+            "log get the measured step time ratio and the time saved."
         },
     )
     prompt_keep_rate: float = field(
@@ -566,12 +580,18 @@ class _WarningContext(dict):
 
 def as_dppo_config(args: GRPOConfig) -> DPPOConfig:
     """``args`` itself when it is a ``DPPOConfig``; a ``GRPOConfig`` becomes the ``DPPOConfig`` with the same GRPO
-    fields and DPPO's defaults (one info line says so): swapping only the trainer class keeps the setup."""
+    fields and DPPO's defaults (a warning says so, once a process): swapping only the trainer class keeps the
+    setup and turns pruning on."""
     if isinstance(args, DPPOConfig):
         return args
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"args must be a DPPOConfig or a GRPOConfig, got {type(args).__name__}.")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
     values["generation_batch_size"] = None  # derived from steps_per_generation by __post_init__, as it was
-    logger.info("DPPOTrainer got a GRPOConfig: using it as a DPPOConfig with DPPO's defaults for the DPPO fields.")
-    return DPPOConfig(**values)
+    config = DPPOConfig(**values)
+    logger.warning_once(
+        f"DPPOTrainer got a GRPOConfig: it trains with DPPO's defaults (completion_keep_rate="
+        f"{config.completion_keep_rate}, prune_sampling={config.prune_sampling!r}, packing={config.packing}). Pass a "
+        "DPPOConfig to choose them; completion_keep_rate=1.0 and packing=False give GRPO's own path."
+    )
+    return config

@@ -22,7 +22,8 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - Prompt pruning (``hooks.prompt_pruning``): the cut of each step's candidates before generation, the probe's
   completions spliced into the accepted groups (``_generate_single_turn``).
 - The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch.
-- Checkpoints: DPPO's state in one file (``hooks.checkpoint``).
+- Checkpoints: DPPO's state in one file (``hooks.checkpoint``); the model card names DPPO, and the completions
+  table carries each row's keep decision and weight (``hooks.model_card``).
 
 With ``completion_keep_rate=1.0``, ``prompt_keep_rate=1.0`` and ``packing=False`` every hook is TRL's own.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -42,16 +44,20 @@ from .hooks.audit import GradientAudit
 from .hooks.checkpoint import load_dppo_state, save_dppo_state
 from .hooks.generation_batch import BATCH_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 from .hooks.keep_decision import KeepDecision
+from .hooks.model_card import DPPOModelCard
 from .hooks.placement import RowPlacement
 from .hooks.prefix_sharing import PrefixSharing
 from .hooks.prompt_pruning import PromptPruning
-from .hooks.summary import DPPOSummaryCallback
+from .hooks.summary import DPPOSummaryCallback, RunClock
 from .hooks.weighted_loss import WeightedLoss
 from .hooks.weighted_metrics import WeightedMetrics
+from .output_dir import check_output_dir, record_outputs
+from .preflight import check_trainer_inputs
 
 
 class DPPOTrainer(
-    KeepDecision, RowPlacement, PrefixSharing, WeightedLoss, WeightedMetrics, PromptPruning, GradientAudit, GRPOTrainer
+    KeepDecision, RowPlacement, PrefixSharing, WeightedLoss, WeightedMetrics, PromptPruning, GradientAudit,
+    DPPOModelCard, GRPOTrainer,
 ):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
     batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
@@ -83,6 +89,7 @@ class DPPOTrainer(
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = DPPOConfig(f"{str(name).split('/')[-1] or 'model'}-DPPO")
         args = as_dppo_config(args)
+        check_trainer_inputs(model, reward_funcs, train_dataset, eval_dataset, args, environment_factory)
         if args.prompt_pruning and args.prompt_probe_generations and (tools or rollout_func or environment_factory):
             raise ValueError(  # checked before any model loads
                 f"prompt_probe_generations={args.prompt_probe_generations!r} cannot be combined with tools, "
@@ -111,7 +118,8 @@ class DPPOTrainer(
         self._resolve_packing(unwrapped, text_config)
         self._varlen_attention = is_varlen_attention(attention)
         self._prefix_sharing = self._resolve_prefix_sharing(text_config, attention)
-        self.add_callback(DPPOSummaryCallback(self._audit_summary))
+        self._run_clock = RunClock()
+        self.add_callback(DPPOSummaryCallback(self._run_clock, self._speed_summary, self._audit_summary))
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))
 
@@ -189,6 +197,7 @@ class DPPOTrainer(
             output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
         if self.args.completion_pruning or self.args.prompt_pruning:
             self._log_pruning_metrics(batch, scores)
+        self._log_keep_columns(batch)
         local, device = self._local(output["advantages"].size(0)), output["advantages"].device
         output["dppo_keep"], output["dppo_weight"] = batch.keep[local].to(device), batch.weights[local].to(device)
         audit_rows = dict(output) if audited else None  # this rank's rows before any exchange
@@ -198,7 +207,7 @@ class DPPOTrainer(
             self._run_deferred_logps(output, batch)
         batch.logps_seconds = logps.seconds
         if audit_rows is not None:
-            batch.audit = self._build_grpo_reference(audit_rows, batch, output)
+            batch.audit = self._build_grpo_reference(audit_rows, batch, output, audited)
         output["dppo_weight"] = output["dppo_weight"].to(torch.float32)
         output[BATCH_KEY] = batch
         return output
@@ -259,17 +268,47 @@ class DPPOTrainer(
 
         return self._spliced_generation(cut, prompt_ids, generate, num_generations)
 
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """TRL's training, once ``output_dir`` holds nothing of the user's that a save of this run would overwrite
+        or delete (``dppo_trl.output_dir``; checked on every rank, before anything is written)."""
+        check_output_dir(self.args.output_dir, resume_from_checkpoint, self.args.save_strategy != "no")
+        self._run_started = time.time()
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        """TRL's log; the run's last one (with ``train_runtime``) also gets what the run saved
+        (``_speed_metrics``) and its wall seconds, resumed parts included (``dppo/run_seconds``)."""
+        if "train_runtime" in logs:
+            seconds = self._run_clock.seconds()
+            logs = {**logs, "dppo/run_seconds": seconds, **self._speed_metrics(seconds)}
+        super().log(logs, start_time)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save and output_dir in (None, self.args.output_dir):
+            self._record_outputs()
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            states = {"prompt_pruning": self._prompt_pruning_state_dict(), "audit": self._audit_state_dict()}
-            save_dppo_state(folder, states)
+            states = {"prompt_pruning": self._prompt_pruning_state_dict(), "audit": self._audit_state_dict(),
+                      "run": self._run_clock.state_dict()}
+            if os.path.isdir(folder):  # rotation deletes a new checkpoint below an older run's higher step
+                save_dppo_state(folder, states)
+            self._record_outputs()
+
+    def _record_outputs(self) -> None:
+        """What this run saved into ``output_dir`` is recorded as dppo-trl's (``output_dir.record_outputs``)."""
+        if "_run_started" in self.__dict__:
+            record_outputs(self.args.output_dir, self._run_started)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         states = load_dppo_state(checkpoint)
         if self.args.prompt_pruning and "prompt_pruning" in states:
             self._load_prompt_pruning_state_dict(states["prompt_pruning"])
-        if self.args.audit_every and "audit" in states:
+        if "audit" in states:
             self._load_audit_state_dict(states["audit"])
+        if checkpoint and "run" in states:
+            self._run_clock.load_state_dict(states["run"])

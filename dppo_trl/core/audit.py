@@ -230,6 +230,34 @@ def projected_time_ratios(grpo: PhaseSeconds, dppo: PhaseSeconds, num_iterations
             "generation_share": grpo.generation / grpo_step}
 
 
+def run_speed_metrics(train_ratios: list[float], step_ratios: list[float], generation_shares: list[float],
+                      run_seconds: float) -> dict:
+    """What a run saved, from its timed batches (``projected_time_ratios`` of each) and its wall seconds.
+
+    Args:
+        train_ratios, step_ratios, generation_shares: one value per timed batch.
+        run_seconds: the run's wall time.
+
+    Returns:
+        ``dppo/step_time_ratio``, ``dppo/train_time_ratio``, ``dppo/generation_share`` (medians over the timed
+        batches), ``dppo/projected_grpo_seconds`` (``run_seconds`` over the step ratio: GRPO's time for the same
+        steps, projected) and ``dppo/projected_seconds_saved``; empty without a timed batch.
+    """
+    if not step_ratios:
+        return {}
+    step = statistics.median(step_ratios)
+    grpo_seconds = run_seconds / step if step > 0 else float("nan")
+    return {"dppo/step_time_ratio": step, "dppo/train_time_ratio": statistics.median(train_ratios),
+            "dppo/generation_share": statistics.median(generation_shares),
+            "dppo/projected_grpo_seconds": grpo_seconds, "dppo/projected_seconds_saved": grpo_seconds - run_seconds}
+
+
+def speed_check_batch(generation_batches: int) -> int:
+    """The generation batch the speed check times: the second, past the first batch's one-time costs (allocator,
+    kernel selection), or the first when the run has one."""
+    return 1 if generation_batches >= 2 else 0
+
+
 def step_ratio_at_share(train_time_ratio: float, generation_share: float) -> float:
     """The step ratio on a machine where generation takes ``generation_share`` of GRPO's step and DPPO changes
     training only: ``s + (1 - s) * train_time_ratio``."""

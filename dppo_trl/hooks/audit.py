@@ -37,7 +37,9 @@ from ..core.audit import (
     make_sketch,
     measured_error_scale,
     projected_time_ratios,
+    run_speed_metrics,
     sketch_gradients,
+    speed_check_batch,
     synchronized_clock,
 )
 from ..core.batch import loss_mask
@@ -54,6 +56,10 @@ _NO_SIGNAL = "no signal"  # every score exactly 0 and no term without A: both gr
 _EXACT = "exact"  # every row that counts kept at weight 1: DPPO's estimate is GRPO's gradient in exact arithmetic
 _PRUNED = "pruned"
 
+# What an audited batch's audit is, decided before it is generated (the same on every rank).
+COUNTED = "counted"  # an `audit_every` batch: compared, counted in the bias statistic, timed
+TIMED = "timed"  # the speed check's batch (`speed_check`): only timed
+
 
 class GradientAudit:
     """Mixed into ``DPPOTrainer``; does nothing while ``audit_every == 0``."""
@@ -68,12 +74,33 @@ class GradientAudit:
         if "_audit_log" not in self.__dict__:
             self._audit_log = {"audits": 0, "no_signal": 0, "cosine": [], "ratio": [], "projection": [],
                                "bias_t": [], "alarm_at": None,
-                               "train_time_ratio": [], "step_time_ratio": [], "generation_share": []}
+                               "train_time_ratio": [], "step_time_ratio": [], "generation_share": [],
+                               "speed_check_at": None}
         return self._audit_log
 
-    def _audit_this_batch(self) -> bool:
+    def _audit_this_batch(self) -> str | None:
+        """This generation batch's audit: ``COUNTED`` (an ``audit_every`` batch), ``TIMED`` (the speed check's) or
+        None. A function of the training position and of what was timed so far, so the same on every rank."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        return audited_batch(self._training_position() // generate_every, self.args.audit_every, self.args.seed)
+        index = self._training_position() // generate_every
+        if audited_batch(index, self.args.audit_every, self.args.seed):
+            return COUNTED
+        if self._speed_check_refusal() is None and self._audit_records()["speed_check_at"] is None:
+            batches = -(-self.state.max_steps * self.args.gradient_accumulation_steps // generate_every)
+            return TIMED if index >= speed_check_batch(batches) else None
+        return None
+
+    def _speed_check_refusal(self) -> str | None:
+        """Why the speed check does not run on this trainer (None: it runs)."""
+        if not self.args.speed_check:
+            return "speed_check=False"
+        if not self.args.dppo_training_path:
+            return "nothing is pruned or packed (GRPO's own path)"
+        if self.args.prompt_pruning:
+            return "prompt pruning generates only the accepted groups, GRPO's batch is not there to time"
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return "not under DeepSpeed or FSDP yet"
+        return None
 
     def _measured_error_scale(self) -> float:
         """How much the measured pruning error exceeded the model-based one on the audits so far (1.0 before any,
@@ -120,7 +147,8 @@ class GradientAudit:
         return _EXACT if int(missed) == 0 else _PRUNED
 
     @torch.no_grad()
-    def _build_grpo_reference(self, rows: dict, batch: GenerationBatch, output: dict | None = None) -> AuditReference:
+    def _build_grpo_reference(self, rows: dict, batch: GenerationBatch, output: dict | None = None,
+                              plan: str = COUNTED) -> AuditReference:
         """GRPO's version of this rank's rows of the generation batch (before any rank exchange), kept as
         an ``AuditReference``: the deferred old-policy and reference passes, through TRL's own forward in TRL's
         chunks of ``per_device_train_batch_size``, and the vLLM IS ratio rebuilt from them. A row DPPO kept on
@@ -130,10 +158,12 @@ class GradientAudit:
         every rank makes the same forward calls). DPPO's values are read from ``output`` (the batch after the
         rank exchange and DPPO's passes, where a kept row that stayed keeps its index) or, without it, from
         ``rows`` itself, whose tensors DPPO's passes fill in place unless rows moved between ranks (then they
-        still hold TRL's zero placeholders, and every row is forwarded)."""
+        still hold TRL's zero placeholders, and every row is forwarded). A ``COUNTED`` batch without signal is
+        not built (nothing to compare); the speed check's (``TIMED``) always is."""
         start = time.perf_counter()
         kind = self._audit_batch_kind(rows, batch)
-        if kind == _NO_SIGNAL:
+        counted = plan == COUNTED
+        if kind == _NO_SIGNAL and counted:
             return AuditReference({}, kind, time.perf_counter() - start)
         local_rows = rows["advantages"].size(0)
         calls = batch.deferred_calls
@@ -169,18 +199,20 @@ class GradientAudit:
                 self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
                 self.vllm_importance_sampling_clip_max,
             ).to(rows["importance_sampling_ratio"].dtype)
-        return AuditReference(rows, kind, time.perf_counter() - start, grpo_logps if names else 0.0)
+        return AuditReference(rows, kind, time.perf_counter() - start, grpo_logps if names else 0.0, counted)
 
     def _audit_generation_batch(self, batch: GenerationBatch, dppo_microbatches: list[dict]) -> None:
         """Compare GRPO's and DPPO's gradients of the batch just prepared (``batch.audit``, DPPO's
         ``dppo_microbatches``), at the current parameters. GRPO's micro-batches are TRL's: its shuffle (from the RNG
         state it drew from, ``batch.trl_split_rng_state``) and split. A batch without signal is counted and not
-        compared (no gradient pass; only its seconds are logged)."""
+        compared (no gradient pass; only its seconds are logged). The speed check's batch (not ``counted``) is
+        only timed."""
         audit = batch.audit
         records = self._audit_records()
-        records["audits"] += 1
-        if audit.kind == _NO_SIGNAL:  # its cost: telling it apart
-            records["no_signal"] += 1
+        if audit.counted:
+            records["audits"] += 1
+            records["no_signal"] += audit.kind == _NO_SIGNAL
+        if not audit.rows:  # a counted batch without signal; its cost: telling it apart
             self._metrics["train"]["dppo/audit_seconds"].append(audit.seconds)
             return
         start = time.perf_counter() - audit.seconds  # the reference's log-prob passes count too
@@ -189,7 +221,12 @@ class GradientAudit:
             reference = shuffle_sequence_dict(audit.rows)
         grpo_batches = split_tensor_dict(reference, self.args.steps_per_generation)
         (grpo, dppo), (grpo_seconds, dppo_seconds) = self._audited_gradients(grpo_batches, dppo_microbatches)
-        self._record_audit(dppo, grpo, time.perf_counter() - start, batch)
+        if audit.counted:
+            self._record_audit(dppo, grpo, time.perf_counter() - start, batch)
+        else:
+            self._metrics["train"]["dppo/audit_seconds"].append(time.perf_counter() - start)
+        if records["speed_check_at"] is None:
+            records["speed_check_at"] = self.state.global_step
         generation = batch.generation_seconds
         self._record_audit_times(PhaseSeconds(generation, audit.grpo_logps_seconds, grpo_seconds),
                                  PhaseSeconds(generation, batch.logps_seconds, dppo_seconds))
@@ -319,20 +356,39 @@ class GradientAudit:
         t, counted = bias_t(records["projection"]), len(records["projection"])
         if t is not None:
             parts.append(f"bias t {t:.2f} over {counted} audits")
-        if records["step_time_ratio"]:
-            parts.append(f"measured time ratio: training {statistics.median(records['train_time_ratio']):.2f}, "
-                         f"step {statistics.median(records['step_time_ratio']):.2f} of GRPO's (generation "
-                         f"{statistics.median(records['generation_share']):.0%} of its step)")
         if records["alarm_at"] is not None:
             parts.append(f"BIAS ALARM (|t| > {BIAS_ALARM_T:g} at audit {records['alarm_at']})")
         elif counted >= BIAS_ALARM_MIN_AUDITS:
             parts.append(f"no bias alarm (|t| <= {BIAS_ALARM_T:g})")
         return ", ".join(parts)
 
+    def _speed_metrics(self, run_seconds: float) -> dict:
+        """What the run saved, for the final log (``report_to``): the measured ratios (the median over the timed
+        batches) and the projection over ``run_seconds``; empty before any batch was timed."""
+        records = self._audit_records()
+        return run_speed_metrics(records["train_time_ratio"], records["step_time_ratio"], records["generation_share"],
+                                 run_seconds)
+
+    def _speed_summary(self, run_seconds: float) -> str | None:
+        """The summary line's part on what the run saved, or why it was not measured (None on GRPO's path or with
+        ``speed_check=False`` and no audit)."""
+        metrics = self._speed_metrics(run_seconds)
+        if metrics:
+            timed = len(self._audit_records()["step_time_ratio"])
+            return (f"measured here: a step takes {metrics['dppo/step_time_ratio']:.2f} of GRPO's time (training "
+                    f"{metrics['dppo/train_time_ratio']:.2f}, generation {metrics['dppo/generation_share']:.0%} of "
+                    f"GRPO's step; {timed} batch{'es' if timed > 1 else ''} timed), projected time saved "
+                    f"{metrics['dppo/projected_seconds_saved']:.0f} s of GRPO's {metrics['dppo/projected_grpo_seconds']:.0f} s")
+        if not self.args.speed_check or not self.args.dppo_training_path:
+            return None
+        return f"speed not measured: {self._speed_check_refusal() or 'the run ended before its timed batch'}"
+
     def _audit_state_dict(self) -> dict | None:
         """The audit history for a checkpoint: a resumed run goes on with the bias statistic and the measured/model
-        ratios that ``adaptive_keep_error_source='audit'`` reads (None while the audit is off)."""
-        return {"records": self._audit_records()} if self.args.audit_every else None
+        ratios that ``adaptive_keep_error_source='audit'`` reads, and the speed check's timings (None while neither
+        runs)."""
+        saves = self.args.audit_every or self._speed_check_refusal() is None
+        return {"records": self._audit_records()} if saves else None
 
     def _load_audit_state_dict(self, state: dict) -> None:
         records = self._audit_records()

@@ -26,6 +26,7 @@ class AuditReference:
     kind: str
     seconds: float
     grpo_logps_seconds: float = 0.0
+    counted: bool = True  # False: the speed check's batch, only timed
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ DPPO_FIELDS = {
     "audit_every",
     "audit_sketch_dim",
     "audit_exact_params",
+    "speed_check",
     "packing",
     "max_packed_tokens",
     "prefix_sharing",

@@ -1,0 +1,199 @@
+"""The user's own run: it says what DPPO saved (the speed check, without the audit), it names itself in the model
+card and the completions table, it never touches files in ``output_dir`` that it did not write, and swapping only
+the trainer class says so."""
+
+import json
+import re
+
+import pytest
+import torch
+from support.models import lora_config
+from support.training import StopAt, build, params_of, train
+from transformers import TrainerCallback
+from trl import GRPOConfig
+
+from dppo_trl import DPPOTrainer
+from dppo_trl.core.audit import run_speed_metrics, speed_check_batch
+from dppo_trl.output_dir import OUTPUTS_RECORD, check_output_dir, foreign_outputs, record_outputs
+
+
+class Tracker(TrainerCallback):
+    """What a tracker of ``report_to`` receives: every log."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def summary_line(capsys) -> str:
+    return [x for x in capsys.readouterr().out.splitlines() if x.startswith("DPPO summary:")][-1]
+
+
+# ---------------------------------------------------------------- what the run saved
+
+
+def test_the_summary_and_the_tracker_carry_the_measured_ratio_without_the_audit(tmp_path, tiny_model_dir,
+                                                                                 train_dataset, capsys):
+    tracker = Tracker()
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3, callbacks=[tracker])
+    assert trainer.args.audit_every == 0 and trainer._audit_records()["audits"] == 0
+    timed = [h for h in trainer.state.log_history if "dppo/audit_step_time_ratio" in h]
+    assert len(timed) == 1 and timed[0]["step"] == 2  # the second generation batch, once
+    final = tracker.logs[-1]
+    assert "train_runtime" in final
+    step, run = final["dppo/step_time_ratio"], final["dppo/run_seconds"]
+    assert step == pytest.approx(timed[0]["dppo/audit_step_time_ratio"], rel=1e-6) and 0 < step
+    assert final["dppo/projected_grpo_seconds"] == pytest.approx(run / step)
+    assert final["dppo/projected_seconds_saved"] == pytest.approx(run / step - run)
+    assert 0 < final["dppo/generation_share"] < 1 and final["dppo/train_time_ratio"] > 0
+    line = summary_line(capsys)
+    assert f"a step takes {step:.2f} of GRPO's time" in line and "projected time saved" in line
+
+
+def test_the_speed_check_leaves_training_unchanged(tmp_path, tiny_model_dir, train_dataset):
+    runs = {}
+    for check in (False, True):
+        trainer = train(DPPOTrainer, tmp_path / str(check), tiny_model_dir, train_dataset, max_steps=3,
+                        speed_check=check, peft_config=lora_config(lora_dropout=0.05))
+        runs[check] = (params_of(trainer), [h.get("loss") for h in trainer.state.log_history if "loss" in h])
+    assert runs[True][1] == runs[False][1]
+    for name, value in runs[True][0].items():
+        assert torch.equal(value, runs[False][0][name]), name
+
+
+def test_what_the_summary_says_where_the_speed_is_not_measured(tmp_path, tiny_model_dir, train_dataset, capsys):
+    train(DPPOTrainer, tmp_path / "p", tiny_model_dir, train_dataset, max_steps=1, prompt_keep_rate=0.5)
+    assert "speed not measured: prompt pruning" in summary_line(capsys)
+    trainer = train(DPPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, max_steps=1,
+                    completion_keep_rate=1.0, packing=False)
+    line = summary_line(capsys)
+    assert "speed" not in line and "dppo/step_time_ratio" not in trainer.state.log_history[-1]
+
+
+def test_the_speed_metrics_and_the_timed_batch():
+    assert run_speed_metrics([], [], [], 10.0) == {}
+    metrics = run_speed_metrics([0.2, 0.4, 0.3], [0.5, 0.7, 0.6], [0.3, 0.5, 0.4], 60.0)
+    assert metrics["dppo/step_time_ratio"] == 0.6 and metrics["dppo/train_time_ratio"] == 0.3
+    assert metrics["dppo/projected_grpo_seconds"] == pytest.approx(100.0)
+    assert metrics["dppo/projected_seconds_saved"] == pytest.approx(40.0)
+    assert [speed_check_batch(n) for n in (1, 2, 9)] == [0, 1, 1]
+
+
+def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, tiny_model_dir, train_dataset, capsys):
+    first = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=4, callbacks=[StopAt(2)])
+    first.train()
+    earlier = json.loads((tmp_path / "out" / "checkpoint-2" / "dppo_state.json").read_text())["run"]["seconds"]
+    capsys.readouterr()
+    tracker = Tracker()
+    second = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=4, callbacks=[tracker])
+    second.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    line = summary_line(capsys)
+    assert "(the whole run; resumed at step 2)" in line
+    seconds = float(re.search(r"4 steps, (\d+) s", line).group(1))
+    assert tracker.logs[-1]["dppo/run_seconds"] >= earlier and seconds >= round(earlier) - 1
+    # the speed check ran before the checkpoint: its timing comes back with it, and is not run again
+    assert second._audit_records()["speed_check_at"] is not None
+    assert not [h for h in second.state.log_history if h.get("step", 0) > 2 and "dppo/audit_step_time_ratio" in h]
+    assert "dppo/step_time_ratio" in tracker.logs[-1]
+
+
+# ---------------------------------------------------------------- it names itself
+
+
+def test_the_model_card_names_dppo_its_paper_this_package_and_its_settings(tmp_path, tiny_model_dir, train_dataset):
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, completion_keep_rate=0.4)
+    trainer.create_model_card(model_name="my-model")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "This model was trained with DPPO, a method introduced in [Dynamic Pruning Policy Optimization]" in card
+    assert "https://huggingface.co/papers/2603.04135" in card and "arXiv 2603.04135" in card
+    assert "Trained with dppo-trl" in card and "| `completion_keep_rate` | `0.4` |" in card
+    assert "| `prune_sampling` | `'stratified'` |" in card and "| `loss_type` | `'dapo'` |" in card
+    assert "trained with GRPO" not in card and "dppo" in card.split("---")[1]  # the tag, in the card's metadata
+    assert "shao2024deepseekmath" in card  # GRPO's objective, cited beside DPPO
+
+
+def test_the_completions_table_carries_each_rows_keep_decision_and_weight(tmp_path, tiny_model_dir, train_dataset):
+    import pandas as pd
+
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=1, log_completions=True)
+    table = pd.read_parquet(tmp_path / "out" / "completions" / "completions_00001.parquet")
+    keep, weight = table["dppo_keep"].tolist(), table["dppo_weight"].tolist()
+    batch = trainer.last_global_keep
+    assert keep == batch.tolist() and len(keep) == len(table["advantage"])
+    assert all((w > 0) == k for k, w in zip(keep, weight)) and all(w >= 1 for w in weight if w > 0)
+    logged = trainer.state.log_history[0]["dppo/kept_fraction"]
+    assert sum(keep) / len(keep) == pytest.approx(logged)
+
+
+def test_swapping_only_the_trainer_class_warns(tmp_path, tiny_model_dir, train_dataset):
+    from transformers.testing_utils import CaptureLogger
+
+    from dppo_trl import config
+
+    config.logger.warning_once.cache_clear()
+    with CaptureLogger(config.logger) as captured:
+        build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, config_cls=GRPOConfig)
+    assert "DPPOTrainer got a GRPOConfig" in captured.out and "completion_keep_rate=0.5" in captured.out
+
+
+# ---------------------------------------------------------------- a user's files
+
+
+def users_folder(folder):
+    folder.mkdir(parents=True)
+    (folder / "README.md").write_text("my notes\n")
+    (folder / "tokenizer.json").write_text('{"mine": true}')
+    (folder / "checkpoint-100").mkdir()
+    (folder / "checkpoint-100" / "model.safetensors").write_bytes(b"\x00weights")
+    (folder / "data.csv").write_text("a,b\n")  # nothing a save writes: not at risk
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def test_a_folder_holding_a_users_files_is_refused_and_left_byte_identical(tmp_path, tiny_model_dir, train_dataset):
+    folder = tmp_path / "out"
+    users_folder(folder)
+    before = snapshot(folder)
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, save_strategy="steps", save_steps=1,
+                    save_total_limit=1)
+    with pytest.raises(ValueError) as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert "README.md, checkpoint-100/, tokenizer.json" in message and "data.csv" not in message
+    assert "\n" not in message and "output_dir" in message
+    assert snapshot(folder) == before
+
+
+def test_a_run_may_write_over_what_dppo_wrote_and_resume_from_its_checkpoints(tmp_path, tiny_model_dir, train_dataset):
+    settings = dict(save_strategy="steps", save_steps=1, save_total_limit=1, max_steps=2)
+    train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, **settings)
+    folder = tmp_path / "out"
+    recorded = set(json.loads((folder / OUTPUTS_RECORD).read_text()))
+    assert "checkpoint-2" in recorded and "README.md" in recorded and "checkpoint-1" not in recorded
+    train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, **settings)  # the same command again
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, **{**settings, "max_steps": 3})
+    trainer.train(resume_from_checkpoint=str(folder / "checkpoint-2"))
+    assert trainer.state.global_step == 3
+
+
+def test_which_entries_are_at_risk(tmp_path):
+    folder = tmp_path / "out"
+    users_folder(folder)
+    assert foreign_outputs(folder) == ["README.md", "checkpoint-100/", "tokenizer.json"]
+    assert foreign_outputs(folder, saves_checkpoints=False) == ["README.md", "tokenizer.json"]
+    assert foreign_outputs(folder, resume_from_checkpoint=str(folder / "checkpoint-100")) == []
+    assert foreign_outputs(folder, resume_from_checkpoint=True) == []
+    assert foreign_outputs(folder, resume_from_checkpoint=str(tmp_path / "elsewhere" / "checkpoint-1")) != []
+    assert foreign_outputs(tmp_path / "missing") == []
+    check_output_dir(tmp_path / "missing")
+    record_outputs(folder, since=float("inf"))  # nothing written since: nothing becomes dppo-trl's
+    assert json.loads((folder / OUTPUTS_RECORD).read_text()) == []
+    record_outputs(folder, since=0.0)
+    assert foreign_outputs(folder) == []
+    (folder / OUTPUTS_RECORD).write_text("not json")
+    assert foreign_outputs(folder, saves_checkpoints=False) == ["README.md", "tokenizer.json"]
+
