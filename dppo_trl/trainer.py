@@ -277,10 +277,10 @@ class DPPOTrainer(
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """TRL's log; the run's last one (with ``train_runtime``) also gets what the run saved
-        (``_speed_metrics``) and its wall seconds, resumed parts included (``dppo/run_seconds``)."""
+        (``_speed_metrics``) and its wall seconds, resumed parts included (``dppo/speed_run_seconds``)."""
         if "train_runtime" in logs:
             seconds = self._run_clock.seconds()
-            logs = {**logs, "dppo/run_seconds": seconds, **self._speed_metrics(seconds)}
+            logs = {**logs, "dppo/speed_run_seconds": seconds, **self._speed_metrics(seconds)}
         super().log(logs, start_time)
 
     def save_model(self, output_dir=None, _internal_call=False):

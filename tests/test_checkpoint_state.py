@@ -15,6 +15,7 @@ from dppo_trl.hooks.checkpoint import STATE_FILE, load_dppo_state
 pytestmark = pytest.mark.slow
 
 AUDIT_TIME_RECORDS = ("train_time_ratio", "step_time_ratio", "generation_share")
+SPEED_CHECK_RECORDS = ("speed_check_at",)
 OLD_FILES = {"prompt_pruning": "dppo_prompt_sampler.json", "audit": "dppo_audit.pt"}
 
 
@@ -63,7 +64,7 @@ def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_mod
     new = tmp_path / "run" / "checkpoint-4"
     dppo_files = sorted(p.name for p in new.iterdir() if p.name.startswith("dppo"))
     assert dppo_files == [STATE_FILE]
-    assert set(json.loads((new / STATE_FILE).read_text())) == {kind}
+    assert set(json.loads((new / STATE_FILE).read_text())) == {kind, "run"}
 
     old = tmp_path / "old-checkpoint-4"
     shutil.copytree(new, old)
@@ -73,6 +74,8 @@ def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_mod
     if kind == "audit":  # the time ratios came after the old format, and a run's timings are its machine's
         new_records = new_state["audit"]["records"]
         assert all(isinstance(new_records.pop(name), list) for name in AUDIT_TIME_RECORDS)
+        assert all(isinstance(new_records.pop(name), int) for name in SPEED_CHECK_RECORDS)
+        new_state.pop("run")
     assert_same_state(old_state, new_state)
 
     from_new, trainer_new = resumed_parameters(kind, str(tiny_model_dir), tmp_path / "from-new", new)

@@ -43,11 +43,11 @@ def test_the_summary_and_the_tracker_carry_the_measured_ratio_without_the_audit(
     assert len(timed) == 1 and timed[0]["step"] == 2  # the second generation batch, once
     final = tracker.logs[-1]
     assert "train_runtime" in final
-    step, run = final["dppo/step_time_ratio"], final["dppo/run_seconds"]
+    step, run = final["dppo/speed_step_time_ratio"], final["dppo/speed_run_seconds"]
     assert step == pytest.approx(timed[0]["dppo/audit_step_time_ratio"], rel=1e-6) and 0 < step
-    assert final["dppo/projected_grpo_seconds"] == pytest.approx(run / step)
-    assert final["dppo/projected_seconds_saved"] == pytest.approx(run / step - run)
-    assert 0 < final["dppo/generation_share"] < 1 and final["dppo/train_time_ratio"] > 0
+    assert final["dppo/speed_projected_grpo_seconds"] == pytest.approx(run / step)
+    assert final["dppo/speed_projected_seconds_saved"] == pytest.approx(run / step - run)
+    assert 0 < final["dppo/speed_generation_share"] < 1 and final["dppo/speed_train_time_ratio"] > 0
     line = summary_line(capsys)
     assert f"a step takes {step:.2f} of GRPO's time" in line and "projected time saved" in line
 
@@ -69,15 +69,15 @@ def test_what_the_summary_says_where_the_speed_is_not_measured(tmp_path, tiny_mo
     trainer = train(DPPOTrainer, tmp_path / "g", tiny_model_dir, train_dataset, max_steps=1,
                     completion_keep_rate=1.0, packing=False)
     line = summary_line(capsys)
-    assert "speed" not in line and "dppo/step_time_ratio" not in trainer.state.log_history[-1]
+    assert "speed" not in line and "dppo/speed_step_time_ratio" not in trainer.state.log_history[-1]
 
 
 def test_the_speed_metrics_and_the_timed_batch():
     assert run_speed_metrics([], [], [], 10.0) == {}
     metrics = run_speed_metrics([0.2, 0.4, 0.3], [0.5, 0.7, 0.6], [0.3, 0.5, 0.4], 60.0)
-    assert metrics["dppo/step_time_ratio"] == 0.6 and metrics["dppo/train_time_ratio"] == 0.3
-    assert metrics["dppo/projected_grpo_seconds"] == pytest.approx(100.0)
-    assert metrics["dppo/projected_seconds_saved"] == pytest.approx(40.0)
+    assert metrics["dppo/speed_step_time_ratio"] == 0.6 and metrics["dppo/speed_train_time_ratio"] == 0.3
+    assert metrics["dppo/speed_projected_grpo_seconds"] == pytest.approx(100.0)
+    assert metrics["dppo/speed_projected_seconds_saved"] == pytest.approx(40.0)
     assert [speed_check_batch(n) for n in (1, 2, 9)] == [0, 1, 1]
 
 
@@ -92,11 +92,11 @@ def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, tiny_model_dir, t
     line = summary_line(capsys)
     assert "(the whole run; resumed at step 2)" in line
     seconds = float(re.search(r"4 steps, (\d+) s", line).group(1))
-    assert tracker.logs[-1]["dppo/run_seconds"] >= earlier and seconds >= round(earlier) - 1
+    assert tracker.logs[-1]["dppo/speed_run_seconds"] >= earlier and seconds >= round(earlier) - 1
     # the speed check ran before the checkpoint: its timing comes back with it, and is not run again
     assert second._audit_records()["speed_check_at"] is not None
     assert not [h for h in second.state.log_history if h.get("step", 0) > 2 and "dppo/audit_step_time_ratio" in h]
-    assert "dppo/step_time_ratio" in tracker.logs[-1]
+    assert "dppo/speed_step_time_ratio" in tracker.logs[-1]
 
 
 # ---------------------------------------------------------------- it names itself

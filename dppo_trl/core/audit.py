@@ -239,17 +239,19 @@ def run_speed_metrics(train_ratios: list[float], step_ratios: list[float], gener
         run_seconds: the run's wall time.
 
     Returns:
-        ``dppo/step_time_ratio``, ``dppo/train_time_ratio``, ``dppo/generation_share`` (medians over the timed
-        batches), ``dppo/projected_grpo_seconds`` (``run_seconds`` over the step ratio: GRPO's time for the same
-        steps, projected) and ``dppo/projected_seconds_saved``; empty without a timed batch.
+        ``dppo/speed_step_time_ratio``, ``dppo/speed_train_time_ratio``, ``dppo/speed_generation_share``
+        (medians over the timed batches), ``dppo/speed_projected_grpo_seconds`` (``run_seconds`` over the step
+        ratio: GRPO's time for the same steps, projected) and ``dppo/speed_projected_seconds_saved``; empty without
+        a timed batch.
     """
     if not step_ratios:
         return {}
     step = statistics.median(step_ratios)
     grpo_seconds = run_seconds / step if step > 0 else float("nan")
-    return {"dppo/step_time_ratio": step, "dppo/train_time_ratio": statistics.median(train_ratios),
-            "dppo/generation_share": statistics.median(generation_shares),
-            "dppo/projected_grpo_seconds": grpo_seconds, "dppo/projected_seconds_saved": grpo_seconds - run_seconds}
+    return {"dppo/speed_step_time_ratio": step, "dppo/speed_train_time_ratio": statistics.median(train_ratios),
+            "dppo/speed_generation_share": statistics.median(generation_shares),
+            "dppo/speed_projected_grpo_seconds": grpo_seconds,
+            "dppo/speed_projected_seconds_saved": grpo_seconds - run_seconds}
 
 
 def speed_check_batch(generation_batches: int) -> int:

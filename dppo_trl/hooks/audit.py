@@ -375,10 +375,12 @@ class GradientAudit:
         metrics = self._speed_metrics(run_seconds)
         if metrics:
             timed = len(self._audit_records()["step_time_ratio"])
-            return (f"measured here: a step takes {metrics['dppo/step_time_ratio']:.2f} of GRPO's time (training "
-                    f"{metrics['dppo/train_time_ratio']:.2f}, generation {metrics['dppo/generation_share']:.0%} of "
-                    f"GRPO's step; {timed} batch{'es' if timed > 1 else ''} timed), projected time saved "
-                    f"{metrics['dppo/projected_seconds_saved']:.0f} s of GRPO's {metrics['dppo/projected_grpo_seconds']:.0f} s")
+            step, train, share, grpo, saved = (metrics[f"dppo/speed_{name}"] for name in (
+                "step_time_ratio", "train_time_ratio", "generation_share", "projected_grpo_seconds",
+                "projected_seconds_saved"))
+            return (f"measured here: a step takes {step:.2f} of GRPO's time (training {train:.2f}, generation "
+                    f"{share:.0%} of GRPO's step; {timed} batch{'es' if timed > 1 else ''} timed), projected time "
+                    f"saved {saved:.0f} s of GRPO's {grpo:.0f} s")
         if not self.args.speed_check or not self.args.dppo_training_path:
             return None
         return f"speed not measured: {self._speed_check_refusal() or 'the run ended before its timed batch'}"
