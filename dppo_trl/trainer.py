@@ -89,13 +89,13 @@ class DPPOTrainer(
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = DPPOConfig(f"{str(name).split('/')[-1] or 'model'}-DPPO")
         args = as_dppo_config(args)
-        check_trainer_inputs(model, reward_funcs, train_dataset, eval_dataset, args, environment_factory)
         if args.prompt_pruning and args.prompt_probe_generations and (tools or rollout_func or environment_factory):
             raise ValueError(  # checked before any model loads
                 f"prompt_probe_generations={args.prompt_probe_generations!r} cannot be combined with tools, "
                 "rollout_func or environment_factory yet: the probe's completions are spliced into the groups at "
                 "the single-turn generation. Use prompt_probe_generations=0 with a history prompt_score."
             )
+        check_trainer_inputs(model, reward_funcs, train_dataset, eval_dataset, args, environment_factory)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,

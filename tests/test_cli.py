@@ -1,5 +1,6 @@
 """The `dppo-trl` command line: every recipe parses and ships with the package (found by name as well as by
-path), unknown keys and bad values stop it before anything is loaded with a `dppo-trl:` line and exit status 2,
+path), unknown keys, bad values, reward functions that do not import, missing models and a dataset without a
+prompt column stop it before anything is loaded with a `dppo-trl:` line and exit status 2,
 flags override YAML, launch options are recognised, `--help` leads with DPPO's options by group (TRL's are
 behind `--help-all`), a LoRA run trains and saves its adapter, and --num_processes N > 1 starts N processes on the
 CPU (or is refused where accelerate would start one)."""
@@ -19,7 +20,7 @@ from support.configs import DPPO_FIELDS
 from support.models import addition_prompts
 from support.processes import kill_process_tree
 
-from dppo_trl.cli import bundled_recipes, main, make_parser, parse, script_arguments_class
+from dppo_trl.cli import bundled_recipes, main, make_parser, parse, recipes_dir, script_arguments_class
 from dppo_trl.cli.arguments import script_keys
 from dppo_trl.cli.help import COMMON_LAUNCH_OPTIONS, dppo_groups
 from dppo_trl.config import DPPOConfig
@@ -205,7 +206,10 @@ def test_the_first_screen_of_the_help_is_dppos_options_by_group(monkeypatch):
     text, _ = help_texts(monkeypatch)
     first_screen = "\n".join(text.splitlines()[:50])
     assert "\ncompletion pruning:\n" in first_screen and "--completion_keep_rate FLOAT" in first_screen
-    assert "docs/config.md" in first_screen and "--config YAML_OR_RECIPE" in first_screen
+    assert "--config YAML_OR_RECIPE" in first_screen
+    # Where an installed user reads more: the docstring and the installed recipes, not a page a wheel lacks.
+    assert "help(dppo_trl.DPPOConfig)" in first_screen and "docs/" not in text
+    assert f"recipes in {recipes_dir()}" in " ".join(first_screen.split())
     groups = dppo_groups()
     assert list(groups) == ["completion pruning", "the gradient audit", "prompt pruning", "packing"]
     assert set().union(*map(set, groups.values())) == DPPO_FIELDS
@@ -411,3 +415,78 @@ def test_a_model_folder_under_home_is_expanded_and_a_missing_smollm2_says_how_to
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"dppo-trl: {tmp_path}/.cache/dppo_trl/SmolLM2-135M-Instruct does not exist: run "
                           "`dppo-trl-smollm2`")
+
+
+def refused_before_loading(argv, monkeypatch, capsys) -> str:
+    """The one stderr line with which ``main(argv)`` exits 2, having loaded nothing: no run started and no model
+    read (``run`` and ``from_pretrained`` fail the test)."""
+    import transformers
+
+    def loads(*args, **kwargs):
+        raise AssertionError("something loaded")
+
+    monkeypatch.setattr("dppo_trl.cli.run", loads)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", loads)
+    capsys.readouterr()  # what came before: the test's own dataset writing
+    with pytest.raises(SystemExit) as error:
+        main(argv)
+    assert error.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err == f"{error.value}\n"
+    return err.strip()
+
+
+@pytest.mark.parametrize(
+    "reward, expected",
+    [
+        ("myrewards.nonexistent", "dppo-trl: reward_funcs 'myrewards.nonexistent': module 'myrewards' ("),
+        ("nosuchmodule.f", "dppo-trl: reward_funcs 'nosuchmodule.f': there is no module 'nosuchmodule' in "),
+        ("accuracy_rewardd", "dppo-trl: reward_funcs 'accuracy_rewardd' is neither one of TRL's reward functions"),
+    ],
+)
+def test_a_reward_function_that_does_not_load_is_one_line_before_anything_loads(
+    reward, expected, tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    (tmp_path / "myrewards.py").write_text("def reward(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    monkeypatch.delitem(sys.modules, "myrewards", raising=False)
+    monkeypatch.chdir(tmp_path)  # TRL's script imports a reward's module from the current directory
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n", reward=reward)
+    try:
+        assert refused_before_loading(["--config", config], monkeypatch, capsys).startswith(expected)
+    finally:
+        sys.modules.pop("myrewards", None)
+
+
+@pytest.mark.parametrize("model", ["./missing-model", "{tmp}/missing-model", "org/not-in-the-cache"])
+def test_a_missing_model_is_one_line_before_anything_loads(model, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.chdir(tmp_path)
+    model = model.format(tmp=tmp_path)
+    config = tiny_run_config(tmp_path, model, "max_steps: 1\n")
+    err = refused_before_loading(["--config", config], monkeypatch, capsys)
+    assert err.startswith(f"dppo-trl: model_name_or_path {model!r} ")
+    assert ("does not exist" if "missing" in model else "HF_HUB_OFFLINE=1") in err
+
+
+def test_a_dataset_without_a_prompt_column_is_one_line_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch,
+                                                                               capsys):
+    """TRL's script loads the dataset before the trainer; the trainer refuses it before GRPOTrainer.__init__."""
+    import trl
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", loads)
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n")
+    data = tmp_path / "data" / "train.jsonl"
+    data.write_text(data.read_text().replace('"prompt":', '"question":'))
+    with pytest.raises(SystemExit) as error:
+        main(["--config", config])
+    assert error.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("dppo-trl: train_dataset has no 'prompt' column (its columns: question, ")
+    assert "Traceback" not in err

@@ -17,9 +17,10 @@ it is refused (see ``launch.process_plan``).
 option, TRL's and transformers' included.
 
 The package, one idea a module: ``arguments`` (what a command line and its YAML mean, checked before anything
-loads), ``help`` (what ``--help`` and ``--help-all`` show), ``launch`` (how a run with launch options gets its
-processes), ``runtime`` (what TRL's training script gets in place of GRPOTrainer and of a dataset load). This
-module composes them: ``main`` and ``run``.
+loads, the model paths and reward functions with ``dppo_trl.preflight``), ``help`` (what ``--help`` and
+``--help-all`` show), ``launch`` (how a run with launch options gets its processes), ``runtime`` (what TRL's
+training script gets in place of GRPOTrainer and of a dataset load). This module composes them: ``main`` and
+``run``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .arguments import (
     _check_demo_prepared,
     _expand_model_path,
     bundled_recipes,
+    check_inputs,
     make_parser,
     parse,
     recipes_dir,
@@ -80,19 +82,20 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``dppo-trl ARGV``: every check, then the launch or the run. A ``CLIError`` (from the checks, or from the
+    trainer's own checks of what TRL's script loaded) is printed as its one line before it exits."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    plan = None
     try:
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
         _expand_model_path(model_args)
         _check_demo_prepared(script_args, model_args)
-        if needs_launch(launch_args):
-            plan = plan_launch(launch_args, training_argv, training_args.use_cpu)
+        plan = plan_launch(launch_args, training_argv, training_args.use_cpu) if needs_launch(launch_args) else None
+        check_inputs(script_args, training_args, model_args)
+        if plan is not None:
+            launch(*plan)
+        else:
+            run(script_args, training_args, model_args, dataset_args)
     except CLIError as error:
         print(error, file=sys.stderr)
         raise
-    if plan is not None:
-        launch(*plan)
-        return 0
-    run(script_args, training_args, model_args, dataset_args)
     return 0

@@ -1,7 +1,7 @@
 """What a ``dppo-trl`` command line means, decided before anything is loaded: the parser (TRL's, with the DPPO
 fields, the ``reasoning_gym_*`` keys and the ``accelerate launch`` options in its help), ``--config`` as a YAML
 file or a shipped recipe, the launch arguments split from the training ones, and every check that stops a bad
-command line or YAML with one ``CLIError`` line."""
+command line or YAML with one ``CLIError`` line (the model paths and the reward functions: ``check_inputs``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import functools
 import json
 import os
 from pathlib import Path
+
+from ..preflight import PreflightError, check_model_path, check_reward_funcs
 
 _NOT_LAUNCH_OPTIONS = {"help", "module", "no_python"}  # `accelerate launch` options that dppo-trl sets or refuses
 
@@ -195,7 +197,7 @@ def make_parser(prog: str = "dppo-trl"):
         description=description,
         formatter_class=_HelpFormatter,
     )
-    parser._actions[0].help = "Show DPPO's options and the launch options, and exit."  # -h's text, not its action
+    parser._actions[0].help = "Show DPPO's and the launch options, and exit."  # -h's text, not its action
     help_all = parser.add_argument(
         *HELP_ALL, action=HelpAll, dest=argparse.SUPPRESS, help="Show every option, TRL's included, and exit."
     )
@@ -343,3 +345,20 @@ def _check_demo_prepared(script_args, model_args) -> None:
                 "directory first (it writes demo-output/), or point the recipe elsewhere with "
                 "--model_name_or_path and --dataset_name."
             )
+
+
+def check_inputs(script_args, training_args, model_args) -> None:
+    """The model and reward model paths and the reward functions name what exists (``dppo_trl.preflight``), checked
+    before anything loads; the dataset's ``prompt`` column is checked by the trainer, once TRL's script loaded it."""
+    init_kwargs = training_args.model_init_kwargs if isinstance(training_args.model_init_kwargs, dict) else {}
+    cache_dir = init_kwargs.get("cache_dir")
+    try:
+        if not model_args.model_name_or_path:
+            raise PreflightError("model_name_or_path is not set: pass --model_name_or_path (a model folder or a Hub "
+                                 "model id), or set it in the YAML.")
+        check_model_path(model_args.model_name_or_path, "model_name_or_path", cache_dir)
+        if script_args.reward_model_name_or_path:
+            check_model_path(script_args.reward_model_name_or_path, "reward_model_name_or_path", cache_dir)
+        check_reward_funcs(script_args.reward_funcs)
+    except PreflightError as error:
+        raise CLIError(str(error)) from None

@@ -1,5 +1,5 @@
-"""What ``dppo-trl --help`` shows: DPPO's options first, in the groups of ``DPPOConfig``'s docstring (the groups of
-docs/config.md), then the launch options and the reasoning-gym keys, and one line on how to see the rest.
+"""What ``dppo-trl --help`` shows: DPPO's options first, in the groups of ``DPPOConfig``'s docstring, then the
+launch options and the reasoning-gym keys, and one line on how to see the rest.
 ``--help-all`` adds every option of TRL's GRPO script, of ``GRPOConfig``, of transformers' ``TrainingArguments``,
 of ``ModelConfig`` and of ``DatasetMixtureConfig``, a section each. Only the help is laid out here: what parses
 is the parser's own actions, unchanged (``arguments.make_parser``)."""
@@ -30,9 +30,10 @@ COMMON_LAUNCH_OPTIONS = (
     "cpu",
 )
 
+# Where an installed user reads more: nothing here may point into the repository (a wheel holds no docs/).
 _DPPO_TEXT = (
-    "DPPO's options, by what they control. Each is a flag or a YAML key; the full explanation of each is in "
-    "docs/config.md."
+    "DPPO's options, by what they control. Each is a flag or a YAML key. The full explanation of each is in "
+    "Python's help(dppo_trl.DPPOConfig); complete examples are the recipes in {recipes}."
 )
 _LAUNCH_TEXT = (
     "Flags or YAML keys; any of them starts the run under `accelerate launch`, as `trl grpo` does. "
@@ -169,7 +170,9 @@ def _head(parser, formatter) -> None:
 
 def _dppo(formatter, by_dest: dict[str, list], short: bool) -> None:
     """DPPO's groups; the short help leaves out the --no_x twin of a switch (its help says what False does)."""
-    formatter.add_text(_DPPO_TEXT)
+    from .arguments import recipes_dir
+
+    formatter.add_text(_DPPO_TEXT.format(recipes=recipes_dir()))
     for group, fields in dppo_groups().items():
         actions = [a for name in fields for a in by_dest[name] if not (short and a.nargs == 0)]
         _section(formatter, group, actions)

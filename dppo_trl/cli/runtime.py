@@ -11,13 +11,19 @@ import functools
 @contextlib.contextmanager
 def _dppo_in_place_of_grpo(made: list):
     """TRL's training script builds `trl.GRPOTrainer`; let it build DPPOTrainer instead, each one appended to
-    ``made`` (which keeps it alive after the script returns)."""
+    ``made`` (which keeps it alive after the script returns). A mistake the trainer finds in its inputs before the
+    model loads (``dppo_trl.preflight``) is a CLIError."""
     import trl
 
+    from ..preflight import PreflightError
     from ..trainer import DPPOTrainer
+    from .arguments import CLIError
 
     def build(*args, **kwargs):
-        made.append(DPPOTrainer(*args, **kwargs))
+        try:
+            made.append(DPPOTrainer(*args, **kwargs))
+        except PreflightError as error:  # e.g. the loaded dataset has no prompt column: found before the model loads
+            raise CLIError(str(error)) from None
         return made[-1]
 
     original = trl.GRPOTrainer
