@@ -10,7 +10,7 @@ import dataclasses
 import os
 import textwrap
 
-from trl import GRPOConfig
+from trl import GRPOConfig, GRPOTrainer
 
 from .generation_batch import GenerationBatch
 
@@ -25,16 +25,6 @@ PAPER = {
             eprint       = {arXiv:2603.04135},
         }"""),
 }
-
-# The objective DPPO estimates is GRPO's: its paper is cited beside DPPO's.
-GRPO_CITATION = textwrap.dedent("""\
-    @article{shao2024deepseekmath,
-        title        = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
-        author       = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and
-                        Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},
-        year         = 2024,
-        eprint       = {arXiv:2402.03300},
-    }""")
 
 # The GRPO settings a DPPO run's card repeats beside DPPO's own: what the estimate is an estimate of.
 _GRPO_FIELDS = ("loss_type", "beta", "num_generations", "num_iterations", "steps_per_generation")
@@ -57,7 +47,7 @@ def dppo_card_section(args, version: str) -> str:
         "Each step trains on a random subset of the completions, each kept one weighted by 1 / its keep "
         "probability (Horvitz-Thompson), so the expected gradient is GRPO's.\n\n"
         f"| setting | value |\n|---|---|\n{rows}\n\n"
-        f"Cite GRPO, whose objective DPPO estimates, as:\n\n```bibtex\n{GRPO_CITATION}\n```\n"
+        f"Cite GRPO, whose objective DPPO estimates, as:\n\n```bibtex\n{GRPOTrainer._paper['citation']}\n```\n"
     )
 
 
