@@ -2,11 +2,16 @@
 
 SmolLM2-135M-Instruct (converted offline by ``dppo_trl.smollm2``) with LoRA learns reasoning-gym's ``chain_sum``
 (sums of two numbers of one or two digits). ``GRPOTrainer`` and ``DPPOTrainer`` train from the same start, with the
-same seed, prompts and settings, one after the other. DPPO differs only by its own defaults: it keeps about half of
-the completions (unbiased, reweighted) and packs what it keeps. DPPO runs first, so any first-run cost falls on it.
+same seed, prompts and settings. DPPO differs only by its own defaults: it keeps about half of the completions
+(unbiased, reweighted) and packs what it keeps. Its speed check is off (it would time GRPO's training passes once,
+on DPPO's clock).
 
-It prints a table (wall time, reward at the start and the end, held-out score, completions kept) and writes
-``DIR/grpo_vs_dppo.png`` (reward against wall time) and ``DIR/grpo_vs_dppo.json`` (every logged step).
+The two runs take turns (``dppo_trl.interleave``): each trains in a process of its own, and their optimizer steps
+alternate, DPPO's, GRPO's, DPPO's, ..., so that a load on the machine that changes falls on both. Each method's
+time is the wall time of its own steps; loading the model and the held-out evaluation are not in it.
+
+It prints a table (time, reward at the start and the end, held-out score, completions kept) and writes
+``DIR/grpo_vs_dppo.png`` (reward against time) and ``DIR/grpo_vs_dppo.json`` (every logged step).
 
     python -m dppo_trl.side_by_side [--steps N] [--output-dir DIR]
 """
@@ -27,6 +32,11 @@ TASK = "chain_sum"
 TASK_OPTIONS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, answer_format="last_number")
 METHODS = ("DPPO", "GRPO")
 EDGE = 3  # logged steps averaged for "reward at the start" and "at the end"
+# DPPO's speed check times GRPO's training passes once, inside one of DPPO's steps: on DPPO's clock here, where
+# the table measures GRPO itself.
+DPPO_ONLY = dict(speed_check=False)
+TIMING = ("times: the wall time of each method's own optimizer steps, taken in turns (DPPO's step, GRPO's, "
+          "DPPO's, ...)\nin two processes, so that both see the same load; model loading and evaluation not counted")
 
 
 def trainer_settings(output_dir: Path, steps: int, seed: int) -> dict:
@@ -77,66 +87,70 @@ def heldout_score(model, tokenizer, dataset, max_new_tokens: int = 16, batch: in
     return statistics.mean(scores)
 
 
-def progress_callback(name: str, steps: int):
-    """A tqdm bar per run, with the last logged reward; it records every logged step (wall time since the start)."""
-    from tqdm.auto import tqdm
+def progress_callback(name: str, steps: int, turns):
+    """A line per logged step, with its reward; it records every logged step (``wall``: the seconds on the run's
+    clock of turns, ``turns.elapsed()``)."""
     from transformers import TrainerCallback
 
     class Progress(TrainerCallback):
         def __init__(self):
             self.records = []
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=steps, desc=f"{name:>4}", unit="step", dynamic_ncols=True)
-            self.start = time.perf_counter()
-
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 kept = logs.get("dppo/kept_fraction", 1.0)
-                self.records.append(dict(step=state.global_step, wall=time.perf_counter() - self.start,
-                                         reward=logs["reward"], kept=kept))
-                self.bar.set_postfix(reward=f"{logs['reward']:.2f}", kept=f"{kept:.2f}")
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.bar.update(1)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.bar.close()
+                record = dict(step=state.global_step, wall=turns.elapsed(), reward=logs["reward"], kept=kept)
+                self.records.append(record)
+                print(f"{name:>4} step {record['step']:>3}/{steps}  reward {record['reward']:.2f}  kept {kept:.2f}"
+                      f"  {record['wall']:6.1f} s", flush=True)
 
     return Progress()
 
 
-def train(name: str, model_dir: str, datasets: dict, settings: dict) -> dict:
-    """One run: ``GRPOTrainer`` or ``DPPOTrainer`` with LoRA; its logged steps and its held-out score at the end."""
+def prompt_sets(heldout: int) -> dict:
+    """The training prompts and the held-out ones (reasoning-gym's generator, seeds 0 and 1)."""
+    from .tasks.reasoning_gym import reasoning_gym_dataset
+
+    return {"train": reasoning_gym_dataset(TASK, size=32, seed=0, **TASK_OPTIONS),
+            "heldout": reasoning_gym_dataset(TASK, size=heldout, seed=1, **TASK_OPTIONS)}
+
+
+def train(turns, name: str, model_dir: str, heldout: int, settings: dict) -> dict:
+    """One run, a job of ``interleave.run_in_turns``: ``GRPOTrainer`` or ``DPPOTrainer`` with LoRA, its optimizer
+    steps in turns; its logged steps, the spans of its clock and its held-out score at the end."""
     from peft import LoraConfig
     from transformers import set_seed
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from . import DPPOConfig, DPPOTrainer
+    from .interleave import turns_callback
     from .tasks.reasoning_gym import reasoning_gym_reward
 
+    quiet_libraries()
+    data = prompt_sets(heldout)
     config_cls, trainer_cls = (DPPOConfig, DPPOTrainer) if name == "DPPO" else (GRPOConfig, GRPOTrainer)
+    own = DPPO_ONLY if name == "DPPO" else {}
     set_seed(settings["seed"])  # the same LoRA initialization in both runs
     trainer = trainer_cls(
         model_dir,
         reasoning_gym_reward,
-        args=config_cls(**{**settings, "output_dir": str(Path(settings["output_dir"]) / name.lower())}),
-        train_dataset=datasets["train"],
+        args=config_cls(**{**settings, **own, "output_dir": str(Path(settings["output_dir"]) / name.lower())}),
+        train_dataset=data["train"],
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
     )
-    trainer.remove_callback(PrinterCallback)  # the bar shows the reward; the table reports the rest
-    progress = progress_callback(name, settings["max_steps"])
+    trainer.remove_callback(PrinterCallback)  # a line per step shows the reward; the table reports the rest
+    trainer.add_callback(turns_callback(turns))
+    progress = progress_callback(name, settings["max_steps"], turns)
     trainer.add_callback(progress)
     trainer.train()
-    records = progress.records
-    return dict(method=name, steps=records, wall=records[-1]["wall"],
-                heldout=heldout_score(trainer.model, trainer.processing_class, datasets["heldout"]))
+    return dict(method=name, steps=progress.records, wall=turns.elapsed(), spans=turns.spans,
+                heldout=heldout_score(trainer.model, trainer.processing_class, data["heldout"]))
 
 
 def summary_rows(runs: list[dict], heldout_start: float) -> list[dict]:
-    """Per run: wall time, its ratio to GRPO's, reward over the first and the last logged steps, held-out score,
-    completions kept."""
+    """Per run: the time of its own steps, its ratio to GRPO's, reward over the first and the last logged steps,
+    held-out score, completions kept."""
     grpo_wall = next(r["wall"] for r in runs if r["method"] == "GRPO")
     rows = []
     for run in runs:
@@ -149,17 +163,19 @@ def summary_rows(runs: list[dict], heldout_start: float) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    header = f"{'':6}{'wall time':>12}{'vs GRPO':>9}{'reward start -> end':>22}{'held-out start -> end':>24}{'kept':>7}"
+    """The rows as printed, and how the times were taken."""
+    header = f"{'':6}{'time':>12}{'vs GRPO':>9}{'reward start -> end':>22}{'held-out start -> end':>24}{'kept':>7}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['method']:6}{r['wall']:>10.0f} s{r['time_ratio']:>8.2f}x"
                      f"{r['reward_start']:>13.2f} -> {r['reward_end']:.2f}"
                      f"{r['heldout_start']:>15.2f} -> {r['heldout_end']:.2f}{r['kept']:>7.2f}")
-    return "\n".join(lines)
+    return "\n".join([*lines, TIMING])
 
 
 def plot(runs: list[dict], path: Path, window: int = 4) -> Path | None:
-    """Reward (trailing mean over ``window`` steps; each step faint) against wall time, one line per method."""
+    """Reward (trailing mean over ``window`` steps; each step faint) against the time of the method's own steps,
+    one line per method."""
     try:
         import matplotlib
 
@@ -176,7 +192,7 @@ def plot(runs: list[dict], path: Path, window: int = 4) -> Path | None:
         smooth = [statistics.mean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
         ax.plot(walls, rewards, "o", color=color, alpha=0.25, markersize=3)
         ax.plot(walls, smooth, color=color, label=f"{run['method']} ({run['wall']:.0f} s)")
-    ax.set_xlabel("wall time (s)")
+    ax.set_xlabel("wall time of its own steps, taken in turns (s)")
     ax.set_ylabel(f"reward (mean of {window} steps)")
     ax.set_title(f"SmolLM2-135M-Instruct + LoRA, reasoning-gym {TASK}, same steps")
     ax.legend()
@@ -196,18 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from . import smollm2
-    from .tasks.reasoning_gym import reasoning_gym_dataset
+    from .interleave import run_in_turns
 
     quiet_libraries()
     started = time.perf_counter()
     model_dir = str(smollm2.ensure(args.model))
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    datasets = {"train": reasoning_gym_dataset(TASK, size=32, seed=0, **TASK_OPTIONS),
-                "heldout": reasoning_gym_dataset(TASK, size=args.heldout, seed=1, **TASK_OPTIONS)}
     settings = trainer_settings(output_dir, args.steps, args.seed)
-    runs = [train(name, model_dir, datasets, settings) for name in METHODS]
-    rows = summary_rows(runs, heldout_start=base_heldout_score(model_dir, datasets["heldout"]))
+    runs = run_in_turns([(train, name, model_dir, args.heldout, settings) for name in METHODS])
+    rows = summary_rows(runs, heldout_start=base_heldout_score(model_dir, prompt_sets(args.heldout)["heldout"]))
     print(f"\nGRPO and DPPO, SmolLM2-135M-Instruct + LoRA on reasoning-gym {TASK}, {args.steps} steps each, "
           f"seed {args.seed}.\nReward: the mean over the first and the last {EDGE} steps. Held-out: the mean score "
           f"of greedy answers to {args.heldout} prompts never trained on.")
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started  # the model's conversion (when it runs), loading, both runs, evaluation
     shared = {k: v for k, v in settings.items() if k != "output_dir"}
     record = dict(task=TASK, steps=args.steps, seed=args.seed, heldout=args.heldout, elapsed_s=elapsed,
-                  settings=shared, rows=rows, runs=runs)
+                  timing=" ".join(TIMING.split()), settings=shared, dppo_settings=DPPO_ONLY, rows=rows, runs=runs)
     (output_dir / "grpo_vs_dppo.json").write_text(json.dumps(record, indent=1))
     print(f"wrote {output_dir / 'grpo_vs_dppo.json'}" + (f" and {png}" if png else "") + f" ({elapsed:.0f} s in all)")
     return 0

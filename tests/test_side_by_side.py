@@ -1,5 +1,6 @@
 """`make demo` (`python -m dppo_trl.side_by_side`): its table from hand-made runs, and a shortened run on the real
-model that writes the table, the plot and the record."""
+model that writes the table, the plot and the record, its two runs in processes of their own taking turns
+(`dppo_trl.interleave`; tests/test_interleave.py: the ratio of times under a load that changes midway)."""
 
 import json
 
@@ -23,6 +24,7 @@ def test_the_summary_compares_each_run_with_grpo():
     assert (dppo["heldout_start"], dppo["heldout_end"], dppo["kept"]) == (0.1, 0.5, 0.4)
     lines = side_by_side.table([dppo, grpo]).splitlines()
     assert lines[2].split()[:4] == ["DPPO", "40", "s", "0.40x"] and lines[3].split()[:4] == ["GRPO", "100", "s", "1.00x"]
+    assert "\n".join(lines[4:]) == side_by_side.TIMING  # how the times were taken
 
 
 @pytest.mark.real_model
@@ -40,4 +42,11 @@ def test_a_short_side_by_side_run_writes_its_table_plot_and_record(tmp_path, cap
     assert all(len(r["steps"]) == 2 for r in record["runs"])
     grpo_kept = [s["kept"] for s in record["runs"][1]["steps"]]
     assert grpo_kept == [1.0, 1.0]  # GRPO trains on every completion
+    assert "in turns" in out and "in turns" in record["timing"]
+    spans = sorted((start, end, r["method"]) for r in record["runs"] for start, end in r["spans"])
+    assert [method for _, _, method in spans] == ["DPPO", "GRPO", "DPPO", "GRPO"]  # a step each, in turns
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(spans, spans[1:]))
+    for run in record["runs"]:  # a method's time: its own steps' spans; each logged step within them
+        assert run["wall"] == pytest.approx(sum(end - start for start, end in run["spans"]))
+        assert 0 < run["steps"][0]["wall"] < run["steps"][1]["wall"] <= run["wall"]
     assert (tmp_path / "grpo_vs_dppo.png").stat().st_size > 1000
