@@ -1,10 +1,12 @@
 # Every target sets up what it needs itself: a .venv with the local CPU build of torch and the exact package
 # versions the suite was validated with (constraints.txt: regenerate on purpose, with `make constraints`).
-# pyproject.toml keeps ranges for users.
+# pyproject.toml keeps ranges for users. `make setup` installs the package and what the demos need (stamp
+# .venv/.installed); the test targets add the test tools, DeepSpeed among them (the `dev` extra; .venv/.installed-dev).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-fast test-vllm test-multiprocess test-wheel \
@@ -19,11 +21,15 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)" -c constraints.txt
-	$(PY) -m pip install -q -e ".[dev]" -c constraints.txt
+	$(PY) -m pip install -q -e ".[gguf,reasoning-gym]" matplotlib -c constraints.txt
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[dev]" -c constraints.txt
+	touch $(DEV_STAMP)
+
 # Re-pin constraints.txt to what the venv holds now (after a deliberate upgrade that the suite passed with).
-constraints: $(STAMP)
+constraints: $(DEV_STAMP)
 	$(PY) -m pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip==' | sed 's/+cpu//' > constraints.txt
 
 setup: $(STAMP)
@@ -48,11 +54,11 @@ constraints-vllm: $(VLLM_STAMP)
 smollm2: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2
 
-test: $(STAMP) smollm2
+test: $(DEV_STAMP) smollm2
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
 # The fast lane: the pure core and the tiny-model hooks, without the slow, multi-process and real-model tests.
-test-fast: $(STAMP)
+test-fast: $(DEV_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not subprocess and not real_model" tests
 
 # DPPOTrainer against GRPOTrainer with a real vLLM engine colocated on the CPU (tests/test_vllm_engine.py; the CPU
@@ -62,16 +68,16 @@ test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest tests/test_vllm_engine.py
 
 # Two CPU processes (torchrun, gloo): no hang, identical ranks, rank balancing, kill/resume. Also in `make test`.
-test-multiprocess: $(STAMP)
+test-multiprocess: $(DEV_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_multiprocess.py
 
 # A wheel built from this checkout, installed into a fresh venv and run outside the repository: the shipped
 # recipes, `dppo-trl --help`, `python -m dppo_trl.demo prepare` then `dppo-trl --config cpu-demo`. Also in `make test`.
-test-wheel: $(STAMP)
+test-wheel: $(DEV_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_wheel.py
 
 # GRPO and DPPO side by side on the real model (SmolLM2-135M-Instruct + LoRA, reasoning-gym chain_sum): a table,
-# outputs/demo/grpo_vs_dppo.png and .json (python -m dppo_trl.side_by_side; 2 threads).
+# outputs/demo/grpo_vs_dppo.png and .json (python -m dppo_trl.side_by_side; a thread a core).
 demo: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.side_by_side
 
@@ -81,7 +87,7 @@ demo-tiny: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m dppo_trl.demo
 
 # The real model through the CLI: SmolLM2-135M-Instruct (make smollm2), LoRA, reasoning-gym chain_sum, 40 DPPO steps
-# from the shipped recipe (dppo-trl --config smollm2-chain-sum-lora, output in outputs/), 2 threads.
+# from the shipped recipe (dppo-trl --config smollm2-chain-sum-lora, output in outputs/), a thread a core.
 demo-real: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(VENV)/bin/dppo-trl --config smollm2-chain-sum-lora \
 		--model_name_or_path "$$(HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2)"
@@ -177,4 +183,4 @@ docs: $(STAMP)
 	$(PY) -m dppo_trl.config_reference --write
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache

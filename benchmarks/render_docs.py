@@ -605,7 +605,7 @@ HEADLINE_RUNS = (("bench_real", "transformers"), ("bench_real_vllm", "vLLM, colo
 def headline_table(results: dict) -> str:
     """README's headline: DPPO at its defaults against GRPOTrainer on the real model, one row per generation
     engine (bench_real*.json; ratios mean ± SE over seeds, paired by seed)."""
-    header = ["generating with", "run", "whole run vs GRPO", "training phase vs GRPO", "completions kept",
+    header = ["generating with", "run", "whole run: time / GRPO's", "training phase: time / GRPO's", "completions kept",
               "final reward minus GRPO's", "held-out: GRPO -> DPPO"]
     body = []
     for name, engine in HEADLINE_RUNS:

@@ -2,7 +2,8 @@
 into a fresh virtual environment and work there, away from the checkout: the metadata `pip show` reads (summary,
 license, classifiers, URLs, the README as long description), the recipes inside it (`dppo-trl --config NAME`
 finds them), `dppo-trl --help`, the README's quick start (examples/quickstart.py), and
-`python -m dppo_trl.demo prepare` followed by `dppo-trl --config cpu-demo`.
+`python -m dppo_trl.demo prepare` followed by `dppo-trl --config cpu-demo`. The README's own wheel lines (`pip wheel`,
+then the install of that wheel with its extras) run as written.
 
 Offline: the build runs without build isolation (setuptools from this environment), and the fresh venv
 reaches this environment's packages (torch, trl, ...) through a .pth line, which adds the directory to its path
@@ -10,6 +11,7 @@ without running the .pth files there (so this checkout's editable install is not
 
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -22,6 +24,7 @@ import pytest
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]  # a wheel build, a venv, the installed CLI
 
 REPO = Path(__file__).parent.parent
+README = (REPO / "README.md").read_text()
 
 
 def run(*args, cwd, timeout=300, **environment):
@@ -33,27 +36,38 @@ def run(*args, cwd, timeout=300, **environment):
     return out.stdout
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """(bin directory of a fresh venv holding only the wheel, a working directory outside the repository)."""
-    root = tmp_path_factory.mktemp("wheel")
-    source = root / "source"  # a clean copy: no build/ or egg-info of the checkout goes into the wheel
+def clean_source(root: Path) -> Path:
+    """A copy of what a build reads: no build/ or egg-info of the checkout goes into the wheel."""
+    source = root / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, source / name)
     for name in ("dppo_trl", "recipes"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return source
+
+
+def fresh_venv(root: Path) -> Path:
+    """The bin directory of a venv without pip that reaches this environment's packages (the module's docstring)."""
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    bindir = venv / ("Scripts" if os.name == "nt" else "bin")
+    venv_site = run(bindir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root)
+    Path(venv_site.strip(), "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return bindir
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(bin directory of a fresh venv holding only the wheel, a working directory outside the repository)."""
+    root = tmp_path_factory.mktemp("wheel")
+    source = clean_source(root)
     run(sys.executable, "-m", "build", "--no-isolation", "--outdir", root / "dist", source, cwd=root)
     (sdist,) = (root / "dist").glob("dppo_trl-*.tar.gz")
     (wheel,) = (root / "dist").glob("dppo_trl-*.whl")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
-    bindir = venv / ("Scripts" if os.name == "nt" else "bin")
-    python = bindir / "python"
-    venv_site = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root).strip()
-    Path(venv_site, "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    run(*pip, "--python", python, "install", "--no-deps", "--no-index", wheel, cwd=root)
+    bindir = fresh_venv(root)
+    run(*pip, "--python", bindir / "python", "install", "--no-deps", "--no-index", wheel, cwd=root)
     work = root / "work"
     work.mkdir()
     return bindir, work, sdist
@@ -114,3 +128,34 @@ def test_prepare_then_dppo_trl_config_cpu_demo(installed):
     out = run(bindir / "dppo-trl", "--config", "cpu-demo", "--max_steps", "2", "--logging_steps", "1", cwd=work)
     assert "DPPO summary: 2 steps" in out
     assert (work / "demo-output" / "run" / "model.safetensors").exists()
+
+
+def readme_install_lines() -> list[str]:
+    return re.search(r"## Install\n.*?```bash\n(.*?)```", README, re.DOTALL)[1].splitlines()
+
+
+def extras(line: str) -> set[str]:
+    return set(re.search(r"\[([^]]+)\]", line)[1].split(","))
+
+
+def test_the_readme_wheel_lines_run_as_written(tmp_path):
+    """The README's ``pip wheel`` line and the install of its wheel, with the extras of the README's editable
+    install, run by bash in a clean copy of the source; ``pip`` on the PATH is this environment's pip, installing
+    into a fresh venv. Offline: pip reads no index, and the build runs without isolation (setuptools from here)."""
+    block = readme_install_lines()
+    (editable,) = [line for line in block if line.startswith("pip install -e ")]
+    lines = block[next(i for i, line in enumerate(block) if line.startswith("pip wheel ")):]
+    assert len(lines) == 2 and lines[1].startswith("pip install "), lines
+    assert extras(lines[1]) == extras(editable)
+    source, bindir = clean_source(tmp_path), fresh_venv(tmp_path)
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / "pip").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pip --python "{bindir / "python"}" "$@"\n')
+    (shims / "pip").chmod(0o755)
+    script = "\n".join(["exec 2>&1", *lines])
+    # PIP_NO_BUILD_ISOLATION=0 turns build isolation off: pip reads a negated option's variable that way round.
+    out = run("bash", "-euo", "pipefail", "-c", script, cwd=source, PATH=f"{shims}{os.pathsep}{os.environ['PATH']}",
+              PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    assert "Successfully installed dppo-trl" in out and "does not provide the extra" not in out, out[-3000:]
+    installed_at = run(bindir / "python", "-c", "import dppo_trl; print(dppo_trl.__file__)", cwd=tmp_path).strip()
+    assert Path(installed_at).resolve().is_relative_to(bindir.parent.resolve()), installed_at
