@@ -130,6 +130,7 @@ def main(argv):
     parser.add_argument("--audit-sketch", type=int, default=None)
     parser.add_argument("--no-prefix-sharing", action="store_true")
     parser.add_argument("--top-entropy-quantile", type=float, default=1.0)
+    parser.add_argument("--no-speed-check", action="store_true")
     a = parser.parse_args(argv)
     Worker.perturb_rank = a.perturb_rank
     Worker.RANK_BALANCE_TOLERANCE = a.tolerance
@@ -158,6 +159,7 @@ def main(argv):
         prompt_score=a.prompt_score,
         prefix_sharing=False if a.no_prefix_sharing else None,
         top_entropy_quantile=a.top_entropy_quantile,
+        speed_check=not a.no_speed_check,
         **sharding,
         **({} if a.audit_sketch is None else
            dict(audit_every=1, audit_sketch_dim=a.audit_sketch, audit_exact_params=0, max_grad_norm=0.0)),
@@ -208,6 +210,7 @@ def main(argv):
         "widths": [[[run, k], w] for run, t in enumerate(trainers) for k, w in t.widths],
         "forward_calls": calls,
         "forward_passes": forward_passes(calls),
+        "speed_check_at": trainers[-1]._audit_records()["speed_check_at"],
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "beta": args.beta,
         "wrapped": type(trainer.model_wrapped).__name__,

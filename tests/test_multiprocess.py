@@ -57,6 +57,7 @@ def torchrun(out_dir, model_dir, *worker_args, timeout=300):
 @pytest.mark.parametrize("sampling,rate", [("systematic", 0.5), ("topk", 0.03)])
 def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sampling, rate):
     ranks, _ = torchrun(tmp_path, tiny_model_dir, sampling, rate, 4)
+    assert ranks[0]["speed_check_at"] == ranks[1]["speed_check_at"] == 2  # timed on both ranks, the same batch
     if sampling == "topk":  # one row kept in a batch of 32: one rank has nothing to train on
         assert any(0 in pair for pair in zip(ranks[0]["local_kept"], ranks[1]["local_kept"]))
     # Oracle: one process holding the same global batch (twice the rows per device) draws the same mask and
@@ -170,7 +171,7 @@ def test_fsdp2_entropy_filter_under_pruning_forwards_the_unkept_rows_in_step(tmp
     were not kept (for TRL's quantile): a rank with none forwards a filler, so both ranks make the same calls under
     FSDP2 (checked by ``torchrun``) and finish."""
     ranks, _ = torchrun(tmp_path, tiny_model_dir, "systematic", 0.5, 4, "--fsdp", "--top-entropy-quantile", 0.5,
-                        timeout=120)
+                        "--no-speed-check", timeout=120)
     passes = ranks[0]["forward_passes"]
     before_a_micro_step = [a for a, b in zip(passes, passes[1:]) if a[1] == b[1] == "logps" and not a[2] and b[2]]
     assert len(before_a_micro_step) == 8  # every micro-step (2 batches x 2 micro-batches x 2 iterations)
