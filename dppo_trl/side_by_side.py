@@ -140,6 +140,10 @@ def train(turns, name: str, model_dir: str, heldout: int, settings: dict) -> dic
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
     )
     trainer.remove_callback(PrinterCallback)  # a line per step shows the reward; the table reports the rest
+    if name == "DPPO":  # its summary's wall time would count GRPO's turns; the table gives each method's own
+        from .hooks.summary import DPPOSummaryCallback
+
+        trainer.remove_callback(DPPOSummaryCallback)
     trainer.add_callback(turns_callback(turns))
     progress = progress_callback(name, settings["max_steps"], turns)
     trainer.add_callback(progress)
