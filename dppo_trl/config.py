@@ -29,7 +29,8 @@ ADAPTIVE_ERROR_SOURCES = ("model", "audit")
 _DEFAULT_AUDIT_SKETCH_DIM = 4096
 _DEFAULT_AUDIT_EXACT_PARAMS = 1 << 23
 # Each DPPO field's help= is what `dppo-trl --help` shows: one or two short sentences (at most 40 words); the full
-# explanation is the class docstring's, in docs/config.md, which the help points to once.
+# explanation is the class docstring's (`help(dppo_trl.DPPOConfig)`, rendered into docs/config.md), which the help
+# points to once.
 
 
 def audit_sharding_refusal(audit_every: int) -> str:
@@ -301,8 +302,7 @@ class DPPOConfig(GRPOConfig):
     speed_check: bool = field(
         default=True,
         metadata={
-            "help": "Time GRPO's training passes once beside DPPO's, on one early batch: the summary and the final "
-            "log get the measured step time ratio and the time saved."
+            "help": "Time GRPO's passes once: the summary and the last log say what DPPO saved."
         },
     )
     prompt_keep_rate: float = field(

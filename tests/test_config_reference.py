@@ -94,8 +94,8 @@ def test_the_page_links_the_pages_it_points_to():
 
 
 def test_the_help_is_short_and_the_reference_says_more():
-    # The help= of a field is what `dppo-trl --help` shows (which points to docs/config.md once); the docstring's
-    # description, in docs/config.md, is the full explanation: it says at least as much.
+    # The help= of a field is what `dppo-trl --help` shows (which points to the docstring once); the docstring's
+    # description, rendered into docs/config.md, is the full explanation: it says at least as much.
     _, docs = config_reference.field_docs()
     described = {d.name: d.text for d in docs}
     for name, f in config_reference.dppo_fields().items():
