@@ -457,6 +457,26 @@ def test_a_reward_function_that_does_not_load_is_one_line_before_anything_loads(
         sys.modules.pop("myrewards", None)
 
 
+def test_an_output_dir_holding_a_users_files_is_one_line_before_anything_loads(tmp_path, tiny_model_dir,
+                                                                                 monkeypatch, capsys):
+    """TRL's own `trl grpo` overwrites README.md and tokenizer.json and deletes an old checkpoint-100/ here
+    (save_steps 1, save_total_limit 1); dppo-trl refuses, and the folder is left byte-identical."""
+    out = tmp_path / "out"
+    (out / "checkpoint-100").mkdir(parents=True)
+    (out / "checkpoint-100" / "model.safetensors").write_bytes(b"weights")
+    (out / "README.md").write_text("my notes")
+    (out / "tokenizer.json").write_text("{}")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n")
+    argv = ["--config", config, "--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "1"]
+    line = refused_before_loading(argv, monkeypatch, capsys)
+    assert line.startswith("dppo-trl: output_dir=") and "README.md, checkpoint-100/, tokenizer.json" in line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    resumed = argv + ["--resume_from_checkpoint", str(out / "checkpoint-100")]  # resuming from them is allowed
+    monkeypatch.setattr("dppo_trl.cli.run", lambda *args: None)
+    assert main(resumed) == 0
+
+
 @pytest.mark.parametrize("model", ["./missing-model", "{tmp}/missing-model", "org/not-in-the-cache"])
 def test_a_missing_model_is_one_line_before_anything_loads(model, tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants

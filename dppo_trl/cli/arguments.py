@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from ..output_dir import check_output_dir
 from ..preflight import PreflightError, check_model_path, check_reward_funcs
 
 _NOT_LAUNCH_OPTIONS = {"help", "module", "no_python"}  # `accelerate launch` options that dppo-trl sets or refuses
@@ -348,8 +349,10 @@ def _check_demo_prepared(script_args, model_args) -> None:
 
 
 def check_inputs(script_args, training_args, model_args) -> None:
-    """The model and reward model paths and the reward functions name what exists (``dppo_trl.preflight``), checked
-    before anything loads; the dataset's ``prompt`` column is checked by the trainer, once TRL's script loaded it."""
+    """The model and reward model paths and the reward functions name what exists (``dppo_trl.preflight``), and
+    ``output_dir`` holds nothing of the user's that the run's saves would overwrite or delete
+    (``dppo_trl.output_dir``), checked before anything loads; the dataset's ``prompt`` column is checked by the
+    trainer, once TRL's script loaded it."""
     init_kwargs = training_args.model_init_kwargs if isinstance(training_args.model_init_kwargs, dict) else {}
     cache_dir = init_kwargs.get("cache_dir")
     try:
@@ -360,5 +363,7 @@ def check_inputs(script_args, training_args, model_args) -> None:
         if script_args.reward_model_name_or_path:
             check_model_path(script_args.reward_model_name_or_path, "reward_model_name_or_path", cache_dir)
         check_reward_funcs(script_args.reward_funcs)
-    except PreflightError as error:
+        check_output_dir(training_args.output_dir, training_args.resume_from_checkpoint,
+                         training_args.save_strategy != "no")
+    except ValueError as error:  # PreflightError, or output_dir's refusal
         raise CLIError(str(error)) from None
