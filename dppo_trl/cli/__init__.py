@@ -18,7 +18,7 @@ option, TRL's and transformers' included.
 
 The package, one idea a module: ``arguments`` (what a command line and its YAML mean, checked before anything
 loads, the model paths and reward functions with ``dppo_trl.preflight``), ``help`` (what ``--help`` and
-``--help-all`` show), ``launch`` (how a run with launch options gets its processes), ``runtime`` (what TRL's
+``--help-all`` show), ``recipes`` (the shipped recipes), ``launch`` (how a run with launch options gets its processes), ``runtime`` (what TRL's
 training script gets in place of GRPOTrainer and of a dataset load). This module composes them: ``main`` and
 ``run``.
 """
@@ -31,11 +31,9 @@ from .arguments import (
     CLIError,
     _check_demo_prepared,
     _expand_model_path,
-    bundled_recipes,
     check_inputs,
     make_parser,
     parse,
-    recipes_dir,
     resolve_config,
     resolve_config_argument,
     script_arguments_class,
@@ -43,6 +41,7 @@ from .arguments import (
     split_launch_keys,
 )
 from .launch import _exit_without_finalizers, launch, needs_launch, plan_launch, process_plan
+from .recipes import bundled_recipes, recipes_dir
 from .runtime import _dppo_in_place_of_grpo, _reasoning_gym_as_dataset
 
 __all__ = [

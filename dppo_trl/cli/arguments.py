@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..output_dir import check_output_dir
 from ..preflight import PreflightError, check_model_path, check_reward_funcs
+from .recipes import bundled_recipes, recipes_dir
 
 _NOT_LAUNCH_OPTIONS = {"help", "module", "no_python"}  # `accelerate launch` options that dppo-trl sets or refuses
 
@@ -26,22 +27,6 @@ class CLIError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"dppo-trl: {message}")
         self.code = 2
-
-
-def recipes_dir() -> Path:
-    """The recipes shipped with the package: ``dppo_trl/recipes`` in a wheel install, the repository's
-    ``recipes/`` in an editable install (``pyproject.toml`` maps the one onto the other) or a bare checkout."""
-    from importlib.resources import files
-
-    try:
-        return Path(str(files("dppo_trl.recipes")))
-    except ModuleNotFoundError:  # a checkout on sys.path without any install
-        return Path(__file__).resolve().parents[2] / "recipes"
-
-
-def bundled_recipes() -> dict[str, Path]:
-    """Recipe name (the file name without ``.yaml``) -> its path, for every shipped recipe."""
-    return {path.stem: path for path in sorted(recipes_dir().glob("*.yaml"))}
 
 
 def resolve_config(value: str) -> str:

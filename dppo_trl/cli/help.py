@@ -170,7 +170,7 @@ def _head(parser, formatter) -> None:
 
 def _dppo(formatter, by_dest: dict[str, list], short: bool) -> None:
     """DPPO's groups; the short help leaves out the --no_x twin of a switch (its help says what False does)."""
-    from .arguments import recipes_dir
+    from .recipes import recipes_dir
 
     formatter.add_text(_DPPO_TEXT.format(recipes=recipes_dir()))
     for group, fields in dppo_groups().items():

@@ -12,6 +12,7 @@ import textwrap
 
 from trl import GRPOConfig, GRPOTrainer
 
+from .._version import __version__
 from .generation_batch import GenerationBatch
 
 PAPER = {
@@ -62,8 +63,6 @@ class DPPOModelCard:
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if not self.is_world_process_zero():
             return
-        from .. import __version__
-
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a", encoding="utf-8") as card:
             card.write(dppo_card_section(self.args, __version__))
