@@ -76,8 +76,9 @@ test-multiprocess: $(DEV_STAMP)
 test-wheel: $(DEV_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_wheel.py
 
-# GRPO and DPPO side by side on the real model (SmolLM2-135M-Instruct + LoRA, reasoning-gym chain_sum): a table,
-# outputs/demo/grpo_vs_dppo.png and .json (python -m dppo_trl.side_by_side; a thread a core).
+# GRPO and DPPO side by side on the real model (SmolLM2-135M-Instruct + LoRA, reasoning-gym chain_sum), their steps
+# taken in turns in two processes: a table, outputs/demo/grpo_vs_dppo.png and .json (python -m dppo_trl.side_by_side;
+# a thread a core).
 demo: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.side_by_side
 

@@ -706,8 +706,9 @@ def entropy_filter_table(data: dict) -> str:
 
 def demo_table(data: dict) -> str:
     """demo.json (``make demo``'s record, ``dppo_trl.side_by_side``): its printed table as markdown."""
-    header = ["method", "wall time", "vs GRPO", "reward: start -> end", "held-out: start -> end", "kept"]
-    body = [[r["method"], f"{r['wall']:.0f} s", f"{r['time_ratio']:.2f}x",
+    header = ["method", "time (its own steps, in turns)", "time / GRPO's", "reward: start -> end",
+              "held-out: start -> end", "kept"]
+    body = [[r["method"], f"{r['wall']:.0f} s", f"{r['time_ratio']:.2f}",
              f"{r['reward_start']:.2f} -> {r['reward_end']:.2f}", f"{r['heldout_start']:.2f} -> {r['heldout_end']:.2f}",
              f"{r['kept']:.2f}"] for r in data["rows"]]
     return md_table(header, body)
