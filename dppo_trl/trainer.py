@@ -21,7 +21,11 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - ``_calculate_rewards``: keeps the rewards in the batch (rows whose A is 0 in exact arithmetic score 0).
 - Prompt pruning (``hooks.prompt_pruning``): the cut of each step's candidates before generation, the probe's
   completions spliced into the accepted groups (``_generate_single_turn``).
-- The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch.
+- The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch; the speed
+  check (``speed_check``): GRPO's passes timed once beside DPPO's, what the run saved in ``log``'s last call and the
+  summary line (``hooks.summary``).
+- ``train``: refuses an ``output_dir`` holding a user's files that a save would overwrite or delete
+  (``dppo_trl.output_dir``); ``save_model`` and ``_save_checkpoint`` record what the run saved there.
 - Checkpoints: DPPO's state in one file (``hooks.checkpoint``); the model card names DPPO, and the completions
   table carries each row's keep decision and weight (``hooks.model_card``).
 
@@ -268,12 +272,12 @@ class DPPOTrainer(
 
         return self._spliced_generation(cut, prompt_ids, generate, num_generations)
 
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """TRL's training, once ``output_dir`` holds nothing of the user's that a save of this run would overwrite
         or delete (``dppo_trl.output_dir``; checked on every rank, before anything is written)."""
         check_output_dir(self.args.output_dir, resume_from_checkpoint, self.args.save_strategy != "no")
         self._run_started = time.time()
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """TRL's log; the run's last one (with ``train_runtime``) also gets what the run saved

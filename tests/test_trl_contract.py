@@ -59,11 +59,12 @@ TRL_ATTRIBUTES = {
     "lr_scheduler": torch.optim.lr_scheduler.LRScheduler,
     "_pending_extra_logs": dict,
     "_pending_metrics": dict,
+    "_logs": dict,
     "eos_token_ids": list,
 }
 # TRL methods DPPO calls (not overrides).
 TRL_METHODS = ("compute_loss", "compute_loss_context_manager", "get_gamma_weights", "_get_output_dir", "add_callback",
-               "_generate")
+               "_generate", "is_world_process_zero")
 # TRL hooks DPPO overrides, and the parameters of DPPO's override (TRL's must be the same, in order).
 OVERRIDDEN_HOOKS = (
     "_generate_and_score_completions",
@@ -75,9 +76,14 @@ OVERRIDDEN_HOOKS = (
     "_generate_single_turn",
     "_save_checkpoint",
     "_load_optimizer_and_scheduler",
+    "train",
+    "log",
+    "save_model",
+    "create_model_card",
 )
 # Attributes DPPO itself sets on the trainer outside its class bodies (the rest are defined there).
-DPPO_INSTANCE_ATTRIBUTES = {"_varlen_attention", "last_global_keep", "_audit_log", "__dict__"}
+DPPO_INSTANCE_ATTRIBUTES = {"_varlen_attention", "last_global_keep", "_audit_log", "__dict__", "_run_clock",
+                            "_run_started"}
 
 
 def dppo_classes() -> list[ast.ClassDef]:
