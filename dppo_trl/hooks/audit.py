@@ -1,7 +1,8 @@
 """The online gradient audit's hooks of ``DPPOTrainer`` (``audit_every > 0``): on an audited generation batch,
 before its first optimizer step, GRPO's gradient of the whole batch (every row, TRL's own loss, log-prob passes
 and micro-batches) and DPPO's (its kept, weighted micro-batches), both sketched, compared and fed to the running
-bias statistic. Both gradient passes run with dropout off (``audit.dropout_disabled``), so with every row kept
+bias statistic; and the speed check (``speed_check``): the same passes on one early batch, only timed, for what
+the run saved (``_speed_metrics``, ``_speed_summary``). Both gradient passes run with dropout off (``audit.dropout_disabled``), so with every row kept
 they differ by float rounding only; the log-prob passes GRPO needs reuse DPPO's values on the rows DPPO kept.
 Training is untouched: the RNG is forked and restored, ``.grad`` is left as it was (``torch.autograd.grad``, or
 under reentrant checkpointing a backward into emptied ``.grad`` slots that are put back), and the dropout
@@ -62,7 +63,8 @@ TIMED = "timed"  # the speed check's batch (`speed_check`): only timed
 
 
 class GradientAudit:
-    """Mixed into ``DPPOTrainer``; does nothing while ``audit_every == 0``."""
+    """Mixed into ``DPPOTrainer``. The audit does nothing while ``audit_every == 0``; the speed check
+    (``speed_check``) times GRPO's and DPPO's passes on one batch, as the audit times them, without comparing."""
 
     _in_grpo_reference = False  # True while the audit runs GRPO's own passes (TRL's padded path)
     _audit_sketch = None
