@@ -55,7 +55,7 @@ smollm2: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2
 
 test: $(DEV_STAMP) smollm2
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests --durations=25
 
 # The fast lane: the pure core and the tiny-model hooks, without the slow, multi-process and real-model tests.
 test-fast: $(DEV_STAMP)

@@ -29,9 +29,11 @@ SCENARIOS = {
     # Every batch audited too (the audit leaves training as it is: tests/test_audit.py).
     "dppo_keep_all": dict(trainer="dppo", max_steps=8, modes=MODES,
                           dppo=dict(completion_keep_rate=1.0, packing=True, audit_every=1)),
-    # Batches 0-3 as above; batch 4 keeps nothing (a constant reward); batch 5 trains (steps 11 and 12).
+    # Batches 0-3 as above; batch 4 keeps nothing (a constant reward); batch 5 trains (steps 11 and 12). Its
+    # no-grad rows are counted: without the speed check, whose timed GRPO passes would add a batch's rows.
     "dppo_keep_half": dict(trainer="dppo", max_steps=12, modes=MODES + ["token_truncate"] * 2,
-                           constant_reward_batches=[4], trained_steps=[11, 12], dppo=dict(completion_keep_rate=0.5)),
+                           constant_reward_batches=[4], trained_steps=[11, 12],
+                           dppo=dict(completion_keep_rate=0.5, speed_check=False)),
     # Prompt pruning's cut with the probe: 2 of each batch's 4 prompts generated, the probe's completions spliced in.
     "dppo_cut": dict(trainer="dppo", max_steps=4, modes=MODES[:2], dppo=dict(prompt_keep_rate=0.5)),
 }
