@@ -55,13 +55,14 @@ class Turns:
         return sum(end - start for start, end in self.spans) + running
 
 
-def run_in_turns(jobs: list[tuple]) -> list:
+def run_in_turns(jobs: list[tuple], preload: tuple[str, ...] = ()) -> list:
     """Run each job ``(fn, *args)`` as ``fn(turns, *args)`` in a process of its own; return what each returned, in
     the order of ``jobs``.
 
     The turn goes round the jobs in order (A, B, A, B, ...) and a job that has returned leaves the others to go
-    on. A job that raises or dies stops the others; its error is raised here."""
-    context = _fresh_processes()
+    on. A job that raises or dies stops the others; its error is raised here. ``preload``: modules the jobs' processes
+    start with, imported once (``_fresh_processes``)."""
+    context = _fresh_processes(preload)
     workers = [_start(context, fn, args) for fn, *args in jobs]
     results, live, position = [None] * len(jobs), list(range(len(jobs))), 0
     try:
@@ -96,14 +97,15 @@ def turns_callback(turns: Turns):
     return TakeTurns()
 
 
-def _fresh_processes():
-    """Processes forked from a server process that imported this package (and with it torch and TRL) once per
-    program; spawned ones, which import it each, where there is no fork server. Either way, a job's process has run
-    nothing of another job's, and it has the environment the program had when its first jobs started."""
+def _fresh_processes(preload: tuple[str, ...] = ()):
+    """Processes forked from a server process that imported this module and ``preload`` (e.g. the trainer, with
+    torch and TRL) once per program; spawned ones, which import them each, where there is no fork server. Either
+    way, a job's process has run nothing of another job's, and it has the environment the program had when its
+    first jobs started."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload([__name__, *preload])
     return context
 
 

@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     settings = trainer_settings(output_dir, args.steps, args.seed)
-    runs = run_in_turns([(train, name, model_dir, args.heldout, settings) for name in METHODS])
+    runs = run_in_turns([(train, name, model_dir, args.heldout, settings) for name in METHODS],
+                        preload=("dppo_trl.trainer",))
     rows = summary_rows(runs, heldout_start=base_heldout_score(model_dir, prompt_sets(args.heldout)["heldout"]))
     print(f"\nGRPO and DPPO, SmolLM2-135M-Instruct + LoRA on reasoning-gym {TASK}, {args.steps} steps each, "
           f"seed {args.seed}.\nReward: the mean over the first and the last {EDGE} steps. Held-out: the mean score "
