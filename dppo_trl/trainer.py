@@ -288,9 +288,12 @@ class DPPOTrainer(
         super().log(logs, start_time)
 
     def save_model(self, output_dir=None, _internal_call=False):
+        """TRL's save; saved into ``output_dir`` (the run's model, not a checkpoint), with DPPO's model card."""
         super().save_model(output_dir, _internal_call)
-        if self.args.should_save and output_dir in (None, self.args.output_dir):
-            self._record_outputs()
+        if output_dir in (None, self.args.output_dir) and not _internal_call:
+            self._write_model_card()
+            if self.args.should_save:
+                self._record_outputs()
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -114,6 +114,15 @@ def test_the_model_card_names_dppo_its_paper_this_package_and_its_settings(tmp_p
     assert "shao2024deepseekmath" in card  # GRPO's objective, cited beside DPPO
 
 
+def test_the_saved_model_s_card_names_dppo_too(tmp_path, tiny_model_dir, train_dataset):
+    """TRL's script saves the model into output_dir at the end; with LoRA, PEFT writes a template card there."""
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, peft_config=lora_config())
+    trainer.save_model(str(tmp_path / "out"))
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "This model was trained with DPPO" in card and "| `completion_keep_rate` | `0.5` |" in card
+    assert "More Information Needed" not in card  # not PEFT's template
+
+
 def test_the_completions_table_carries_each_rows_keep_decision_and_weight(tmp_path, tiny_model_dir, train_dataset):
     import pandas as pd
 

@@ -1,5 +1,5 @@
-"""What a checkpoint of ``DPPOTrainer`` says about itself: the model card names DPPO, its paper and this package
-(TRL's card, with ``_name`` and ``_paper`` DPPO's), and a section lists DPPO's settings of the run; the
+"""What a checkpoint or a saved model of ``DPPOTrainer`` says about itself: the model card names DPPO, its paper
+and this package (TRL's card, with ``_name`` and ``_paper`` DPPO's), and a section lists DPPO's settings of the run; the
 completions table (``log_completions``) gets each completion's keep decision and weight.
 
 Reads of the host trainer: ``args``, ``_logs`` (TRL's completions table), ``create_model_card`` (TRL's)."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import textwrap
+from pathlib import Path
 
 from trl import GRPOConfig, GRPOTrainer
 
@@ -66,6 +67,12 @@ class DPPOModelCard:
         path = os.path.join(self.args.output_dir, "README.md")
         with open(path, "a", encoding="utf-8") as card:
             card.write(dppo_card_section(self.args, __version__))
+
+    def _write_model_card(self) -> None:
+        """The model card into ``output_dir``, named as TRL names it at a checkpoint (its ``_save_checkpoint``): the
+        final save of the model writes it too, over the template card PEFT saves with an adapter."""
+        name = self.args.hub_model_id.split("/")[-1] if self.args.hub_model_id else Path(self.args.output_dir).name
+        self.create_model_card(model_name=name)
 
     def _log_keep_columns(self, batch: GenerationBatch) -> None:
         """Each completion's keep decision and weight into TRL's completions table, beside its advantage (the
