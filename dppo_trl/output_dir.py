@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from .preflight import PreflightError
+
 OUTPUTS_RECORD = ".dppo-trl-outputs.json"  # what dppo-trl saved into this folder, by name
 
 # What a save writes at the top of a folder (transformers, PEFT, tokenizers, processors, TRL's card and table).
@@ -70,13 +72,13 @@ def foreign_outputs(output_dir, resume_from_checkpoint=None, saves_checkpoints: 
 
 
 def check_output_dir(output_dir, resume_from_checkpoint=None, saves_checkpoints: bool = True) -> None:
-    """Refuse, with one line, an ``output_dir`` that holds entries a save would overwrite or delete and that this
-    package did not write (``foreign_outputs``)."""
+    """Refuse, with one line (a ``PreflightError``, a ``ValueError``), an ``output_dir`` that holds entries a save
+    would overwrite or delete and that this package did not write (``foreign_outputs``)."""
     foreign = foreign_outputs(output_dir, resume_from_checkpoint, saves_checkpoints)
     if not foreign:
         return
     shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
-    raise ValueError(
+    raise PreflightError(
         f"output_dir={str(output_dir)!r} holds {shown}, which this run's saves would overwrite or delete and which "
         "dppo-trl did not write. Choose a new or empty output_dir, move those files away, or resume from one of "
         "its checkpoints (resume_from_checkpoint)."

@@ -18,9 +18,9 @@ option, TRL's and transformers' included.
 
 The package, one idea a module: ``arguments`` (what a command line and its YAML mean, checked before anything
 loads, the model paths and reward functions with ``dppo_trl.preflight``), ``help`` (what ``--help`` and
-``--help-all`` show), ``recipes`` (the shipped recipes), ``launch`` (how a run with launch options gets its processes), ``runtime`` (what TRL's
-training script gets in place of GRPOTrainer and of a dataset load). This module composes them: ``main`` and
-``run``.
+``--help-all`` show), ``recipes`` (the shipped recipes), ``launch`` (how a run with launch options gets its
+processes), ``runtime`` (what TRL's training script gets in place of GRPOTrainer and of a dataset load). This
+module composes them: ``main`` and ``run``.
 """
 
 from __future__ import annotations

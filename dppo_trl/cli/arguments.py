@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..output_dir import check_output_dir
 from ..preflight import PreflightError, check_model_path, check_reward_funcs
-from .recipes import bundled_recipes, recipes_dir
+from .recipes import bundled_recipes
 
 _NOT_LAUNCH_OPTIONS = {"help", "module", "no_python"}  # `accelerate launch` options that dppo-trl sets or refuses
 
@@ -350,5 +350,5 @@ def check_inputs(script_args, training_args, model_args) -> None:
         check_reward_funcs(script_args.reward_funcs)
         check_output_dir(training_args.output_dir, training_args.resume_from_checkpoint,
                          training_args.save_strategy != "no")
-    except ValueError as error:  # PreflightError, or output_dir's refusal
+    except PreflightError as error:
         raise CLIError(str(error)) from None

@@ -2,8 +2,9 @@
 before its first optimizer step, GRPO's gradient of the whole batch (every row, TRL's own loss, log-prob passes
 and micro-batches) and DPPO's (its kept, weighted micro-batches), both sketched, compared and fed to the running
 bias statistic; and the speed check (``speed_check``): the same passes on one early batch, only timed, for what
-the run saved (``_speed_metrics``, ``_speed_summary``). Both gradient passes run with dropout off (``audit.dropout_disabled``), so with every row kept
-they differ by float rounding only; the log-prob passes GRPO needs reuse DPPO's values on the rows DPPO kept.
+the run saved (``_speed_metrics``, ``_speed_summary``). Both gradient passes run with dropout off
+(``audit.dropout_disabled``), so with every row kept they differ by float rounding only; the log-prob passes GRPO
+needs reuse DPPO's values on the rows DPPO kept.
 Training is untouched: the RNG is forked and restored, ``.grad`` is left as it was (``torch.autograd.grad``, or
 under reentrant checkpointing a backward into emptied ``.grad`` slots that are put back), and the dropout
 settings, logged metrics and loss state are restored. The math is in ``dppo_trl.core.audit``.
