@@ -1,7 +1,8 @@
 """A user's files in ``output_dir`` are left alone: before a run writes there, the entries a save would overwrite
 (a model's files, its tokenizer, the model card, ``checkpoint-*`` folders that checkpoint rotation would delete or
 a save of the same step would overwrite) are refused unless this package wrote them, which it records in
-``OUTPUTS_RECORD`` after each save, or the run resumes from one of that folder's checkpoints. No TRL import."""
+``OUTPUTS_RECORD`` when it writes them (after each save; ``completions/`` after each log that writes it), or the run
+resumes from one of that folder's checkpoints. No TRL import."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from .preflight import PreflightError
 
-OUTPUTS_RECORD = ".dppo-trl-outputs.json"  # what dppo-trl saved into this folder, by name
+OUTPUTS_RECORD = ".dppo-trl-outputs.json"  # what dppo-trl wrote into this folder, by name
 
 # What a save writes at the top of a folder (transformers, PEFT, tokenizers, processors, TRL's card and table).
 SAVED_NAMES = (
@@ -87,7 +88,8 @@ def check_output_dir(output_dir, resume_from_checkpoint=None, saves_checkpoints:
 
 def record_outputs(output_dir, since: float) -> None:
     """Record, as this package's own, the entries of ``output_dir`` a save writes that changed at or after
-    ``since`` (the run's start, ``time.time()``): what this run's saves wrote, not a user's file it left alone."""
+    ``since`` (the run's start, ``time.time()``): what this run's saves and logs wrote, not a user's file it left
+    alone."""
     folder = Path(output_dir)
     if not folder.is_dir():
         return

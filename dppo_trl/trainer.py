@@ -281,11 +281,14 @@ class DPPOTrainer(
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """TRL's log; the run's last one (with ``train_runtime``) also gets what the run saved
-        (``_speed_metrics``) and its wall seconds, resumed parts included (``dppo/speed_run_seconds``)."""
+        (``_speed_metrics``) and its wall seconds, resumed parts included (``dppo/speed_run_seconds``). With
+        ``log_completions``, TRL's log writes ``completions/`` on the main process, so that is recorded then."""
         if "train_runtime" in logs:
             seconds = self._run_clock.seconds()
             logs = {**logs, "dppo/speed_run_seconds": seconds, **self._speed_metrics(seconds)}
         super().log(logs, start_time)
+        if self.log_completions and self.accelerator.is_main_process:
+            self._record_outputs()
 
     def save_model(self, output_dir=None, _internal_call=False):
         """TRL's save; saved into ``output_dir`` (the run's model, not a checkpoint), with DPPO's model card."""

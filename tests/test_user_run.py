@@ -189,6 +189,24 @@ def test_a_run_may_write_over_what_dppo_wrote_and_resume_from_its_checkpoints(tm
     assert trainer.state.global_step == 3
 
 
+def test_a_run_after_one_that_logged_completions_without_saving_proceeds(tmp_path, tiny_model_dir, train_dataset):
+    """TRL writes completions/*.parquet at every log, not at a save: the package records them when they are written,
+    so the same command runs again into the same folder; a user's own completions/ is still refused, untouched."""
+    table = tmp_path / "out" / "completions" / "completions_00001.parquet"
+    train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=1, log_completions=True)
+    first = table.stat().st_mtime_ns
+    second = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=1, log_completions=True)
+    assert second.state.global_step == 1 and table.stat().st_mtime_ns > first
+    users = tmp_path / "users"
+    (users / "out" / "completions").mkdir(parents=True)
+    (users / "out" / "completions" / "completions_00001.parquet").write_bytes(b"my own table")
+    before = snapshot(users / "out")
+    trainer = build(DPPOTrainer, users, tiny_model_dir, train_dataset, max_steps=1, log_completions=True)
+    with pytest.raises(ValueError, match=r"holds completions/, which .* dppo-trl did not write"):
+        trainer.train()
+    assert snapshot(users / "out") == before
+
+
 def test_which_entries_are_at_risk(tmp_path):
     folder = tmp_path / "out"
     users_folder(folder)
