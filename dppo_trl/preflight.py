@@ -1,5 +1,5 @@
 """The mistakes that are not config values, found before anything loads: a reward function that does not import, a
-model path that does not exist, a dataset without a ``prompt`` column. Each is a ``PreflightError`` (a
+model path that does not exist, a dataset whose rows have no ``prompt``. Each is a ``PreflightError`` (a
 ``ValueError``) of one line that names the field and what to fix. ``dppo-trl`` checks the reward functions and the
 model paths when it parses its command line (``cli.arguments.check_inputs``); ``DPPOTrainer`` checks its own inputs
 (``check_trainer_inputs``) before ``GRPOTrainer.__init__`` loads the model. Nothing here imports TRL or reaches the
@@ -143,11 +143,33 @@ def check_model_path(name: str, field: str = "model_name_or_path", cache_dir: st
         )
 
 
-def check_prompt_column(dataset, field: str) -> None:
-    """``dataset`` (a ``datasets.Dataset`` or ``IterableDataset``) has a ``prompt`` column, which GRPO generates
-    from. A dataset whose columns are not known (a streamed one may not say) or no dataset is not checked."""
+def yielded_columns(dataset) -> list[str] | None:
+    """The columns of ``dataset``'s rows as the trainer reads them, or ``None`` where that cannot be told. A
+    ``datasets.Dataset``'s are its first row's keys (a transform, ``with_transform`` or ``set_transform``, or a
+    format may build or hide columns), the stored ones where it has no row and no transform; any other dataset's
+    are its stored columns where it names them (a streamed one may not)."""
     columns = getattr(dataset, "column_names", None)
-    if not isinstance(columns, list) or "prompt" in columns:
+    if not isinstance(columns, list):
+        return None
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset):
+        return columns
+    if len(dataset) == 0:
+        return None if dataset.format["type"] == "custom" else columns
+    try:
+        row = dataset[0]
+    except Exception:  # e.g. a transform that fails: the trainer meets it and says so
+        return None
+    return list(row) if isinstance(row, Mapping) else None
+
+
+def check_prompt_column(dataset, field: str) -> None:
+    """``dataset`` (a ``datasets.Dataset`` or ``IterableDataset``) yields rows with a ``prompt``, which GRPO
+    generates from (``yielded_columns``). A dataset whose rows' columns cannot be told, or no dataset, is not
+    checked."""
+    columns = yielded_columns(dataset)
+    if columns is None or "prompt" in columns:
         return
     raise PreflightError(
         f"{field} has no 'prompt' column (its columns: {', '.join(columns) or 'none'}): GRPO generates from each "

@@ -155,6 +155,46 @@ def test_a_streamed_dataset_is_checked_where_its_columns_are_known():
     check_prompt_column(None, "eval_dataset")
 
 
+def prompts_from_questions(batch):
+    """A transform that builds the ``prompt`` of each row from its ``question``."""
+    return {"prompt": [f"Compute {q}." for q in batch["question"]], "answer": batch["answer"]}
+
+
+def with_transform(dataset, transform):
+    return dataset.with_transform(transform)
+
+
+def set_transform(dataset, transform):
+    dataset.set_transform(transform)
+    return dataset
+
+
+@pytest.mark.parametrize("transformed", [with_transform, set_transform])
+def test_what_a_dataset_yields_is_checked_not_its_stored_columns(transformed):
+    """A transform that builds ``prompt`` passes; one whose rows have none is refused with the rows' columns; a
+    transform that fails, or has no row to run on, cannot tell, so it is not refused."""
+    check_prompt_column(transformed(questions(), prompts_from_questions), "train_dataset")
+    message = refusal(check_prompt_column, transformed(questions(), lambda batch: {"text": batch["question"]}),
+                      "train_dataset")
+    assert message.startswith("train_dataset has no 'prompt' column (its columns: text)")
+
+    def fails(batch):
+        raise KeyError("no such column")
+
+    check_prompt_column(transformed(questions(), fails), "train_dataset")
+    check_prompt_column(transformed(questions(0), lambda batch: {"text": batch["question"]}), "train_dataset")
+
+
+def test_a_format_that_hides_the_prompt_column_is_refused():
+    dataset = addition_prompts(4)
+    dataset.set_format(columns=["answer"])
+    assert "prompt" in dataset.column_names
+    assert refusal(check_prompt_column, dataset, "train_dataset").startswith(
+        "train_dataset has no 'prompt' column (its columns: answer)")
+    assert refusal(check_prompt_column, questions(0), "eval_dataset").startswith(
+        "eval_dataset has no 'prompt' column (its columns: question, answer)")  # no row: the stored columns
+
+
 class Reached(Exception):
     """Raised in place of ``GRPOTrainer.__init__``: the trainer got past its checks."""
 
@@ -197,14 +237,34 @@ def test_the_trainer_refuses_before_grpo_trainer_loads_anything(inputs, expected
     assert "\n" not in str(error.value)
 
 
+def prompt_rows():
+    yield {"prompt": "1+1=", "answer": "2"}
+
+
 def test_inputs_the_trainer_can_use_reach_grpo_trainer(tmp_path, tiny_model_dir, no_model_loads):
     """The checks refuse only what fails: a model folder, a streamed dataset of unknown columns, a dict of eval
-    datasets with prompts, and, with an environment_factory, a dataset without prompts all go through."""
+    datasets with prompts, conversational prompts, a dataset mapped to prompts, one from a generator, one whose
+    transform builds the prompts, and, with an environment_factory, a dataset without prompts all go through."""
     streamed = IterableDataset.from_generator(question_rows)
+    conversational = Dataset.from_dict({"prompt": [[{"role": "user", "content": "1+1="}]], "answer": ["2"]})
+    mapped = questions().map(lambda row: {"prompt": row["question"]}, remove_columns=["question"])
+    generated = Dataset.from_generator(prompt_rows, cache_dir=str(tmp_path / "cache"))
     for kwargs in (
         dict(train_dataset=addition_prompts(8), eval_dataset={"a": addition_prompts(4)}),
         dict(train_dataset=streamed),
+        dict(train_dataset=conversational),
+        dict(train_dataset=mapped),
+        dict(train_dataset=generated),
+        dict(train_dataset=questions().with_transform(prompts_from_questions)),
+        dict(train_dataset=set_transform(questions(), prompts_from_questions)),
         dict(train_dataset=questions(), environment_factory=lambda: None),
     ):
         with pytest.raises(Reached):
             DPPOTrainer(tiny_model_dir, [random_reward], args=cpu_config(tmp_path), **kwargs)
+
+
+def test_a_dataset_whose_transform_builds_the_prompt_trains(tmp_path, tiny_model_dir):
+    trainer = DPPOTrainer(tiny_model_dir, random_reward, args=cpu_config(tmp_path, max_steps=1),
+                          train_dataset=questions(16).with_transform(prompts_from_questions))
+    trainer.train()
+    assert trainer.state.global_step == 1
