@@ -14,7 +14,7 @@ from transformers.utils import logging
 from trl import GRPOConfig
 
 from .core.estimator import SUPPORTED_LOSS_TYPES
-from .core.prompts import probe_scores, prompt_scores
+from .core.prompts import accepted_per_rank, probe_scores, prompt_scores
 from .core.pruning import default_length_exponent, sampling_designs, unbiased_designs
 
 logger = logging.get_logger(__name__)
@@ -352,6 +352,8 @@ class DPPOConfig(GRPOConfig):
     def __post_init__(self):
         self._validate_dppo_fields()
         super().__post_init__()
+        if self.prompt_pruning:
+            self._validate_cut_size()
 
     @property
     def completion_pruning(self) -> bool:
@@ -370,6 +372,22 @@ class DPPOConfig(GRPOConfig):
     def prompt_pruning(self) -> bool:
         """Whether prompt pruning (before rollout) is on."""
         return self.prompt_keep_rate < 1.0
+
+    @property
+    def prompt_candidates_per_process(self) -> int:
+        """``P``: the candidate prompts a process gets a step under prompt pruning (its generation batch,
+        ``per_device_train_batch_size x steps_per_generation`` rows, over ``num_generations``)."""
+        return self.per_device_train_batch_size * self.steps_per_generation // self.num_generations
+
+    @property
+    def prompt_accepted_per_process(self) -> int:
+        """``m``: the candidates a process accepts of its ``P``, ``round(prompt_keep_rate x P)``, at least 1."""
+        return accepted_per_rank(self.prompt_keep_rate, self.prompt_candidates_per_process)
+
+    @property
+    def prompt_cut_runs(self) -> bool:
+        """Whether prompt pruning cuts anything: ``m < P`` (where ``m = P`` every candidate is generated)."""
+        return self.prompt_pruning and self.prompt_accepted_per_process < self.prompt_candidates_per_process
 
     @property
     def dppo_training_path(self) -> bool:
@@ -403,6 +421,28 @@ class DPPOConfig(GRPOConfig):
         unused = self._unused_settings()
         if unused:
             logger.warning("DPPOConfig: " + "; ".join(unused) + ".")
+
+    def _validate_cut_size(self) -> None:
+        """The cut's ``m`` of ``P``: a floor above ``m / P`` is refused (the acceptance probabilities would sum past
+        ``m``, which a fixed-size draw cannot honour); ``m = P`` cuts nothing, which a warning says."""
+        candidates, accepted = self.prompt_candidates_per_process, self.prompt_accepted_per_process
+        per_process = (f"each process gets P={candidates} candidate prompt(s) a step (per_device_train_batch_size="
+                       f"{self.per_device_train_batch_size} x steps_per_generation={self.steps_per_generation} / "
+                       f"num_generations={self.num_generations}) and accepts m=round({self.prompt_keep_rate!r} x "
+                       f"{candidates})={accepted}")
+        if accepted == candidates:
+            change = ("raise per_device_train_batch_size or steps_per_generation" if candidates == 1 else
+                      f"lower prompt_keep_rate below {1 - 0.5 / candidates:.3g}, or raise per_device_train_batch_size "
+                      "or steps_per_generation")
+            logger.warning(f"DPPOConfig: prompt_keep_rate={self.prompt_keep_rate!r} cuts nothing: {per_process}, so "
+                           f"every candidate is generated, no probe runs and the step is GRPO's. To cut, {change}.")
+        elif self.prompt_keep_floor * candidates > accepted * (1 + 1e-12):
+            raise ValueError(
+                f"prompt_keep_floor={self.prompt_keep_floor!r} is invalid with prompt_keep_rate="
+                f"{self.prompt_keep_rate!r}: {per_process}, and a floor above m / P = {accepted / candidates:.4g} "
+                "makes the acceptance probabilities sum past m, which the fixed-size draw cannot honour (the cut "
+                f"would be biased). Use prompt_keep_floor <= {accepted / candidates:.4g}, or a higher prompt_keep_rate."
+            )
 
     def _validate_probe(self) -> None:
         score = self.prompt_score

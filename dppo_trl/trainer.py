@@ -93,12 +93,6 @@ class DPPOTrainer(
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = DPPOConfig(f"{str(name).split('/')[-1] or 'model'}-DPPO")
         args = as_dppo_config(args)
-        if args.prompt_pruning and args.prompt_probe_generations and (tools or rollout_func or environment_factory):
-            raise ValueError(  # checked before any model loads
-                f"prompt_probe_generations={args.prompt_probe_generations!r} cannot be combined with tools, "
-                "rollout_func or environment_factory yet: the probe's completions are spliced into the groups at "
-                "the single-turn generation. Use prompt_probe_generations=0 with a history prompt_score."
-            )
         check_trainer_inputs(model, reward_funcs, train_dataset, eval_dataset, args, environment_factory)
         super().__init__(
             model=model,
@@ -116,6 +110,12 @@ class DPPOTrainer(
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        if args.prompt_cut_runs and args.prompt_probe_generations and (tools or rollout_func or environment_factory):
+            raise ValueError(  # after TRL's own checks of these, so that its messages come first
+                f"prompt_probe_generations={args.prompt_probe_generations!r} cannot be combined with tools, "
+                "rollout_func or environment_factory yet: the probe's completions are spliced into the groups at "
+                "the single-turn generation. Use prompt_probe_generations=0 with a history prompt_score."
+            )
         unwrapped = self.accelerator.unwrap_model(self.model)
         text_config = unwrapped.config.get_text_config()
         attention = getattr(unwrapped.config, "_attn_implementation", None) or ""
@@ -126,6 +126,10 @@ class DPPOTrainer(
         self.add_callback(DPPOSummaryCallback(self._run_clock, self._speed_summary, self._audit_summary))
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))
+
+    def _logps_dtype(self, model) -> torch.dtype:
+        """The dtype of TRL's log-prob pass and loss: the model's, at least float32 (TRL's log-prob kernel's)."""
+        return torch.promote_types(getattr(self.accelerator.unwrap_model(model), "dtype", torch.float32), torch.float32)
 
     def _dppo_now(self) -> bool:
         return self.args.dppo_training_path and self.model.training and not self._in_grpo_reference
@@ -138,10 +142,8 @@ class DPPOTrainer(
         training path when ``packing``, else TRL's own."""
         if self._scoring is not None:
             self._scoring.deferred_calls.append(model)
-            # What the pass will return: the model's dtype, at least float32 (TRL's log-prob kernel's).
-            dtype = torch.promote_types(getattr(self.accelerator.unwrap_model(model), "dtype", torch.float32),
-                                        torch.float32)
-            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device, dtype=dtype)
+            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device,
+                                      dtype=self._logps_dtype(model))
             return placeholder, None, None
         loss_pass = self._loss_pass
         if loss_pass is not None and loss_pass.aux_loss:
@@ -197,8 +199,8 @@ class DPPOTrainer(
         if self.args.prompt_pruning:
             prompt_weights, count = self._take_prompt_decision(scores, batch)
             batch.weights = batch.weights * prompt_weights
-            # A token count fixed before this batch's acceptance draw (prompts.expected_candidate_tokens).
-            output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
+            if count is not None:  # a token count fixed before this batch's draw (prompts.expected_candidate_tokens)
+                output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
         if self.args.completion_pruning or self.args.prompt_pruning:
             self._log_pruning_metrics(batch, scores)
         self._log_keep_columns(batch)
@@ -212,7 +214,7 @@ class DPPOTrainer(
         batch.logps_seconds = logps.seconds
         if audit_rows is not None:
             batch.audit = self._build_grpo_reference(audit_rows, batch, output, audited)
-        output["dppo_weight"] = output["dppo_weight"].to(torch.float32)
+        output["dppo_weight"] = output["dppo_weight"].to(self._logps_dtype(self.model))
         output[BATCH_KEY] = batch
         return output
 

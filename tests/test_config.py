@@ -162,7 +162,10 @@ def test_every_dppo_field_is_in_the_config_reference():
         (dict(audit_every=5, completion_keep_rate=1.0, packing=False), "audit_every"),  # GRPO's path: never runs
         (dict(adaptive_keep_error_source="audit"), "adaptive_keep_error_source"),  # no adaptive_keep_error
         (dict(adaptive_keep_error=0.3, adaptive_keep_error_source="audit"), "adaptive_keep_error_source"),  # no audit
-        (dict(prompt_keep_rate=0.5, top_entropy_quantile=0.2), "top_entropy_quantile"),  # approximate: said
+        (dict(prompt_keep_rate=0.5, top_entropy_quantile=0.2, per_device_train_batch_size=16),
+         "top_entropy_quantile"),  # approximate: said
+        (dict(prompt_keep_rate=0.5), "prompt_keep_rate"),  # 8 rows of 8: one candidate a process, m = P
+        (dict(prompt_keep_rate=0.9, per_device_train_batch_size=32, num_generations=8), "prompt_keep_rate"),  # 4 of 4
     ],
 )
 def test_valid_settings_that_the_configuration_does_not_use_warn_once(kwargs, field, caplog):
@@ -178,7 +181,7 @@ def test_valid_settings_that_the_configuration_does_not_use_warn_once(kwargs, fi
 def test_a_configuration_that_uses_every_setting_does_not_warn(caplog):
     with caplog.at_level("WARNING", logger="dppo_trl.config"):
         make(completion_keep_rate=0.3, keep_floor=0.1, prune_seed=2, prompt_keep_rate=0.5, prompt_keep_floor=0.2,
-             max_packed_tokens=64)
+             per_device_train_batch_size=16, max_packed_tokens=64)
         make(audit_every=10, audit_sketch_dim=256, audit_exact_params=0, adaptive_keep_error=0.3,
              adaptive_keep_error_source="audit")
     assert not [r for r in caplog.records if r.name == "dppo_trl.config"]
@@ -200,6 +203,22 @@ def test_trainer_rejects_bad_setups_before_loading_any_model(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(TypeError, match="GRPOConfig"):
         DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=dict(VALIDATION))
-    with pytest.raises(ValueError, match="prompt_probe_generations"):
-        DPPOTrainer(missing, lambda completions, **kw: [0.0] * len(completions), args=make(prompt_keep_rate=0.5),
-                    rollout_func=lambda prompts, trainer: {})
+
+
+def test_the_cut_says_when_it_cuts_nothing_and_refuses_a_floor_above_m_over_p(caplog):
+    """``m = round(rate x P)`` of each process's ``P`` candidates: ``m = P`` warns (naming ``P`` and what to
+    change); a floor with ``floor x P > m`` would bias the fixed-size draw and is refused, naming both fields."""
+    with caplog.at_level("WARNING", logger="dppo_trl.config"):
+        cfg = make(prompt_keep_rate=0.5)  # TRL's defaults: 8 rows of 8 completions, one candidate a process
+    assert (cfg.prompt_candidates_per_process, cfg.prompt_accepted_per_process, cfg.prompt_cut_runs) == (1, 1, False)
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "dppo_trl.config"]
+    assert "P=1" in warning and "cuts nothing" in warning and "per_device_train_batch_size" in warning
+    cut = make(prompt_keep_rate=0.5, per_device_train_batch_size=16, num_generations=4, steps_per_generation=2)
+    assert (cut.prompt_candidates_per_process, cut.prompt_accepted_per_process, cut.prompt_cut_runs) == (8, 4, True)
+    for kwargs in (dict(prompt_keep_rate=0.25, prompt_keep_floor=0.3, per_device_train_batch_size=16,
+                        num_generations=4),  # P 4, m 1: -16.7% without the refusal
+                   dict(prompt_keep_rate=0.05, per_device_train_batch_size=80, num_generations=4)):  # P 20, m 1
+        with pytest.raises(ValueError, match="prompt_keep_floor=.*prompt_keep_rate=.*m / P"):
+            make(**kwargs)
+    assert make(prompt_keep_rate=0.25, prompt_keep_floor=0.25, per_device_train_batch_size=16,
+                num_generations=4).prompt_cut_runs  # floor x P = m: every pi at the floor, sum m

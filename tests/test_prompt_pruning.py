@@ -15,12 +15,13 @@ from support.oracle import assert_exact, dppo_loss_and_grad, make_trainer, synth
 from support.outcomes import poisson_outcomes
 from support.recording import BATCH_KEYS, recording
 from support.rewards import coarse_reward, constant_reward, random_reward
-from support.training import StopAt, params_of, train
+from support.training import StopAt, losses_of, params_of, train
 from trl import GRPOConfig, GRPOTrainer
 
 from dppo_trl import DPPOTrainer
 from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES, horvitz_thompson_weights
 from dppo_trl.core.pruning import keep_probabilities
+from dppo_trl.tasks.toy import build_tokenizer
 from dppo_trl.core.prompts import (
     CutInputs,
     PromptHistory,
@@ -64,6 +65,21 @@ def test_the_fixed_size_design_draws_exactly_m_with_inclusion_probabilities_pi(s
         total += prob
     assert total == pytest.approx(1.0, abs=1e-12)
     torch.testing.assert_close(inclusion, pi, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scores,floor", [([5.0, 0.0, 0.0, 0.0], 0.25), ([5.0, 0.0, 0.0, 0.0], 0.2),
+                                          ([3.0, 1.0, 0.0, 0.0], 0.25)])
+def test_a_binding_floor_keeps_the_design_exact_up_to_m_over_p_and_is_refused_past_it(scores, floor):
+    """The floor binds (every candidate or the flat ones sit at it): the enumerated inclusion probabilities are
+    still ``pi``, summing to ``m``. Past ``m / P`` no ``pi`` sums to ``m``, and the core refuses it."""
+    pi = cut_probabilities(torch.tensor(scores), 1, floor)
+    assert float(pi.sum()) == pytest.approx(1.0, abs=1e-12) and float(pi.min()) >= floor - 1e-15
+    inclusion = torch.zeros_like(pi)
+    for prob, accepted in fixed_size_outcomes(pi, 1):
+        inclusion += prob * accepted.double()
+    torch.testing.assert_close(inclusion, pi, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="floor"):
+        cut_probabilities(torch.tensor(scores), 1, 0.3)
 
 
 def test_equal_scores_accept_m_of_p_and_m_rounds_the_rate():
@@ -359,6 +375,62 @@ def test_trls_prepare_inputs_test_shape_runs(tmp_path, tiny_model_dir, small_dat
     assert len(accepted) >= 2 and set(accepted) == {3}
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_every_candidate_accepted_is_grpos_step_and_runs_no_probe(tmp_path, tiny_model_dir, small_dataset, loss_type,
+                                                                  monkeypatch):
+    """``m = P`` (rate 0.9 of 4 candidates, and TRL's one candidate a process at 0.5): no probe is generated, and
+    the parameters and losses are those of the same run without the cut, bit for bit, for the token-count losses
+    whose normalizer the probe's count replaced before (off by ``T/D - 1``)."""
+
+    def no_probe(self, candidates):
+        raise AssertionError("the probe ran where every candidate is accepted")
+
+    monkeypatch.setattr(DPPOTrainer, "_probe", no_probe)
+    for rate, rows in ((0.9, 16), (0.5, 4)):
+        runs = [train(DPPOTrainer, tmp_path / f"{rate}-{cut}", tiny_model_dir, small_dataset, reward=random_reward,
+                      loss_type=loss_type, prompt_keep_rate=rate if cut else 1.0, per_device_train_batch_size=rows,
+                      max_steps=2) for cut in (True, False)]
+        assert losses_of(runs[0]) == losses_of(runs[1])
+        for name, p in params_of(runs[1]).items():
+            assert torch.equal(params_of(runs[0])[name], p), name
+
+
+def test_the_weights_keep_the_losss_dtype(tmp_path, tiny_model_dir, small_dataset):
+    """A float64 run: each row's weight reaches the loss in float64, exactly ``1 / pi`` of its group (a float32
+    cast left 3e-8 where ``1 / pi`` is not a float32 number)."""
+    trainer = train(recording(batch_keys=("dppo_weight",), record_prompt_decisions=True), tmp_path, tiny_model_dir,
+                    concatenate_datasets([small_dataset.select(range(4))] * 4), reward=random_reward,
+                    prompt_keep_rate=0.5, prompt_score="ema", prompt_probe_generations=0, completion_keep_rate=1.0,
+                    per_device_train_batch_size=8, scale_rewards="none", max_steps=6, **float64_settings())
+    unequal = 0
+    for record, (weights, _, cut) in zip(trainer.records, trainer.prompt_decisions):
+        assert record["dppo_weight"].dtype == torch.float64
+        assert torch.equal(record["dppo_weight"], weights)
+        unequal += int(any(w != float(torch.tensor(w, dtype=torch.float32)) for w in weights.tolist()))
+    assert unequal  # some 1 / pi is not a float32 number
+
+
+def test_trls_mask_truncated_completions_test_shape_runs(tmp_path, tiny_model_dir, small_dataset, monkeypatch):
+    """TRL's ``test_train_with_mask_truncated_completions`` shape: 3 completions a prompt, a per-device batch of 3
+    (one candidate a process: the cut accepts it, no probe) and a generation stand-in that returns TRL's three
+    fixed completions whatever it is asked (one truncated). It trains as the run without the cut does, and each
+    step generates its 3 rows in one call."""
+    calls = []
+
+    def three_fixed(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        calls.append(len(prompt_ids))
+        eos = self.eos_token_ids[0]
+        return [[20, 21, 22, 23, 24, 25], [26, 27, eos], [28, 29, 30, 31, 32, eos]][: len(prompt_ids)], None
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", three_fixed)
+    runs = [train(DPPOTrainer, tmp_path / str(rate), tiny_model_dir, small_dataset, reward=random_reward,
+                  loss_type="dapo", prompt_keep_rate=rate, num_generations=3, per_device_train_batch_size=3,
+                  max_completion_length=6, mask_truncated_completions=True, max_steps=2) for rate in (0.5, 1.0)]
+    assert calls == [3] * 4
+    for name, p in params_of(runs[1]).items():
+        assert torch.equal(params_of(runs[0])[name], p), name
+
+
 def test_every_completion_masked_trains_without_error(tmp_path, tiny_model_dir, small_dataset):
     """``mask_truncated_completions`` with completions that are all truncated: no loss token anywhere, the token
     count fixed before the draw is 0 (the probe saw only truncated completions); the step is 0, not an error."""
@@ -404,7 +476,7 @@ def test_bad_prompt_values_name_the_field(kwargs, field):
         validation_config(**kwargs)
 
 
-def test_the_probe_is_refused_with_tools_before_the_model_loads(tmp_path):
+def test_the_probe_is_refused_with_tools_and_a_rollout_function(tmp_path, tiny_model_dir, small_dataset):
     def tool(x: int) -> int:
         """A tool.
 
@@ -413,5 +485,44 @@ def test_the_probe_is_refused_with_tools_before_the_model_loads(tmp_path):
         """
         return x
 
+    for extra in (dict(tools=[tool], processing_class=tool_tokenizer()), dict(rollout_func=lambda prompts, trainer: {})):
+        with pytest.raises(ValueError, match="prompt_probe_generations"):
+            DPPOTrainer(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path), train_dataset=small_dataset,
+                        **extra)
+    # One candidate a process: nothing is cut, no probe runs, nothing to refuse.
+    DPPOTrainer(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, per_device_train_batch_size=4),
+                train_dataset=small_dataset, tools=[tool], processing_class=tool_tokenizer())
+
+
+def tool_tokenizer():
+    """The toy tokenizer with TRL's Qwen3 chat template, which renders tool calls (TRL checks it first)."""
+    from trl.chat_template_utils import qwen3_chat_template
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = qwen3_chat_template
+    return tokenizer
+
+
+class CountingEnvironment:
+    """A TRL environment (``environment_factory``): ``reset`` gives no prompt text, a tool counts."""
+
+    def reset(self, **kwargs):
+        return None
+
+    def count(self, n: int) -> int:
+        """Count.
+
+        Args:
+            n: a number.
+        """
+        return n + 1
+
+
+def test_trls_own_environment_checks_come_before_the_probes_refusal(tmp_path, tiny_model_dir):
+    """Without a dataset, TRL asks for ``max_steps`` first (its message, not DPPO's)."""
+    with pytest.raises(ValueError, match="max_steps"):
+        DPPOTrainer(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, max_steps=-1),
+                    environment_factory=CountingEnvironment, processing_class=tool_tokenizer())
     with pytest.raises(ValueError, match="prompt_probe_generations"):
-        DPPOTrainer("no/such-model", coarse_reward, args=prompt_config(tmp_path), tools=[tool])
+        DPPOTrainer(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path, max_steps=2),
+                    environment_factory=CountingEnvironment, processing_class=tool_tokenizer())

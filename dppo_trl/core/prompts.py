@@ -38,7 +38,8 @@ def accepted_per_rank(keep_rate: float, candidates_per_rank: int) -> int:
 
 def cut_probabilities(scores: torch.Tensor, accepted: int, floor: float) -> torch.Tensor:
     """Inclusion probabilities of one rank's ``P`` candidates: ``clip(score / tau, floor, 1)`` with ``sum = m``
-    (``accepted``), float64. Equal scores give ``m / P`` each.
+    (``accepted``), float64. Equal scores give ``m / P`` each. Needs ``floor x P <= m`` (else no ``pi`` sums to
+    ``m``: refused).
 
     Args:
         scores: (P,) each candidate's predicted signal (a prompt score of ``register_prompt_score``), >= 0.
@@ -46,6 +47,9 @@ def cut_probabilities(scores: torch.Tensor, accepted: int, floor: float) -> torc
     count = scores.numel()
     if accepted >= count:
         return torch.ones(count, dtype=torch.float64)
+    if floor * count > accepted * (1 + 1e-12):
+        raise ValueError(f"a floor of {floor!r} over {count} candidates sums past the {accepted} accepted: the "
+                         "fixed-size draw could not accept each with its probability (DPPOConfig refuses this).")
     pi, _ = keep_probabilities(scores, accepted / count, floor, zero_score_contributes=True)
     return pi
 

@@ -104,7 +104,7 @@ class PromptPruning:
             )
         candidates = [inputs[i] for i in range(0, len(inputs), group)]
         keys = gather_object([prompt_key(x["prompt"]) for x in candidates])
-        probe = self._probe(candidates) if self.args.prompt_probe_generations else None
+        probe = self._probe(candidates) if self.args.prompt_cut_runs and self.args.prompt_probe_generations else None
         cut = self._same_on_every_rank(self._decide_cut(keys, probe, len(candidates)))
         cut.probe = probe
         local = cut.local(self.accelerator.process_index).tolist()
@@ -116,12 +116,13 @@ class PromptPruning:
         history = self._history()
         lengths = probe.loss_tokens.double().mean(1) if probe is not None else history.lengths(keys)
         ranks = self.accelerator.num_processes
-        if lengths is None:  # nothing known of any candidate: accept them all (the batch's own count is GRPO's)
+        accepted = accepted_per_rank(self.args.prompt_keep_rate, candidates_per_rank)
+        # Nothing known of any candidate, or m = P: every candidate is accepted and the step is GRPO's.
+        if lengths is None or accepted == candidates_per_rank:
             ones = torch.ones(len(keys), dtype=torch.float64)
             return PromptCut(keys, ones, ones.bool(), None, ranks)
         probe_rewards = None if probe is None else probe.rewards
         scores = prompt_score(self.args.prompt_score)(CutInputs(keys, history, probe_rewards))
-        accepted = accepted_per_rank(self.args.prompt_keep_rate, candidates_per_rank)
         generator = torch.Generator().manual_seed(self._seed_of("prompt_cut"))
         pi, keep = cut_decision(scores, ranks, accepted, self.args.prompt_keep_floor, generator)
         return PromptCut(keys, pi, keep, expected_candidate_tokens(lengths, self.num_generations), ranks)
@@ -192,9 +193,10 @@ class PromptPruning:
                 logprobs += probe.logprobs[j] + list(new_logprobs[g * (group - k) : (g + 1) * (group - k)])
         return completion_ids, logprobs
 
-    def _take_prompt_decision(self, scores: torch.Tensor, batch: GenerationBatch) -> tuple[torch.Tensor, float]:
-        """The accepted rows' prompt weights ``1 / pi`` (every rank's rows) and the token normalizer (the cut's, or
-        the batch's own count when every candidate was accepted); feeds the groups back to the history."""
+    def _take_prompt_decision(self, scores: torch.Tensor, batch: GenerationBatch) -> tuple[torch.Tensor, float | None]:
+        """The accepted rows' prompt weights ``1 / pi`` (every rank's rows) and the token normalizer fixed before
+        the draw (None when every candidate was accepted: the batch's own count, TRL's, stands); feeds the groups
+        back to the history."""
         cut, group = batch.cut, self.num_generations
         accepted_pi = cut.pi[cut.accepted]
         weights = (1.0 / accepted_pi).repeat_interleave(group)
@@ -205,7 +207,7 @@ class PromptPruning:
         self._history().update(keys, scores.abs().view(-1, group).mean(1).tolist(),
                                loss_tokens.view(-1, group).mean(1).tolist(), group_rewards.nanmean(1).tolist())
         self._log_cut_metrics(cut, weights, loss_tokens, normalizer, group_rewards)
-        return weights, normalizer
+        return weights, cut.normalizer
 
     def _log_cut_metrics(self, cut: PromptCut, weights, loss_tokens, normalizer: float, group_rewards) -> None:
         metrics, group = self._metrics["train"], self.num_generations
