@@ -189,12 +189,16 @@ class DPPOConfig(GRPOConfig):
             Prompt pruning before rollout: of the prompts GRPO's sampler yields for a step, each process generates
             only `round(prompt_keep_rate x P)` of its `P`, drawn with probabilities set by `prompt_score` and
             reweighted by `1 / pi`, so that the expected step stays GRPO's (what holds, per loss type:
-            `docs/prompt_pruning.md`). `completion_keep_rate` then counts GRPO's rows, not the accepted ones. `1.0`:
-            off. Refused with `scale_rewards="batch"` or
+            `docs/prompt_pruning.md`). With a token-mean loss (`dapo`, TRL's default) each step is GRPO's times a
+            random scale `T / D`, near 1, its spread falling with the candidates (`docs/prompt_pruning.md`, "What
+            holds"). Where `round(prompt_keep_rate x P) = P` (TRL's defaults give `P = 1`) nothing is cut, no probe
+            runs and the step is GRPO's: a warning says so. `completion_keep_rate` then counts GRPO's rows, not the
+            accepted ones. `1.0`: off. Refused with `scale_rewards="batch"` or
             `multi_objective_aggregation="normalize_then_sum"`: a batch-level reward statistic over the accepted
             prompts is not GRPO's (`docs/estimator.md`, section 2b).
         prompt_keep_floor (`float`, *optional*, defaults to `0.1`):
-            Smallest acceptance probability of a prompt: it caps the prompt weight at `1 / prompt_keep_floor`.
+            Smallest acceptance probability of a prompt: it caps the prompt weight at `1 / prompt_keep_floor`. At
+            most `m / P` (the accepted share of a process's candidates); above it, refused.
         prompt_score (`str`, *optional*, defaults to `"probe"`):
             What sets a candidate's acceptance probability: `"probe"`, whether the rewards of its probe
             (`prompt_probe_generations` completions generated and scored first) differ; `"ema"`, the moving average
