@@ -6,7 +6,9 @@ Per step it records the wall time split into generation / scoring and log-prob p
 (+ optimizer), the tokens generated and trained, and the sampled reward; it evaluates greedy held-out accuracy
 at fixed steps (outside the clock). It prints a table of ratios to GRPO measured in the same run, the time to
 reach GRPO's final reward, the final held-out accuracy with its spread over seeds, and writes JSON (and PNG
-plots with ``--plots``). Single-threaded torch; one warm-up run; methods interleaved within each seed.
+plots with ``--plots``). Single-threaded torch. Every method of a seed (those of the sweeps too) takes turns with
+the others, one optimizer step at a time, each in a process of its own after its own warm-up run
+(``dppo_trl.interleave``): a load that changes falls alike on all, so their ratios to GRPO hold.
 
     make bench                                   # main comparison + keep-rate sweeps, plots in docs/images
     python benchmarks/bench_e2e.py --seeds 0 1 --steps 512 --sweeps --json out.json
@@ -26,6 +28,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from harness import (  # noqa: E402
+    TIMING_IN_TURNS,
     phase_shares,
     plot_runs,
     pm,
@@ -36,7 +39,6 @@ from harness import (  # noqa: E402
     run_methods,
     runs_path,
     summarize_at_budget,
-    warm_up,
     without_per_seed,
     write_json,
 )
@@ -148,14 +150,17 @@ def main(argv=None):
     started = time.perf_counter()
 
     setup = prepare_setup(args)
-    warm_up(setup, METHODS["dppo"], args.warmup)
     groups = {"methods": {m: METHODS[m] for m in args.methods}}
     for sweep in args.sweeps:
         groups[sweep] = {"grpo": None, **SWEEPS[sweep]}
     runs, tables = [], {}
+    for seed in dict.fromkeys([*args.seeds, *args.sweep_seeds]):  # a seed's methods of every group, in turns
+        methods = {name: settings for group, members in groups.items()
+                   if seed in (args.seeds if group == "methods" else args.sweep_seeds)
+                   for name, settings in members.items()}
+        run_methods(methods, [seed], setup, runs, started, in_turns=True, threads=1, warmup=args.warmup)
     for group, methods in groups.items():
         seeds = args.seeds if group == "methods" else args.sweep_seeds
-        run_methods(methods, seeds, setup, runs, started, label=f"{group} ")
         names = ["grpo", *[m for m in methods if m != "grpo"]]
         mine = [r for r in runs if r["method"] in names and r["seed"] in seeds]
         tables[group] = summarize_at_budget(mine, names, args.window)
@@ -171,6 +176,7 @@ def main(argv=None):
     runs_file = write_json(runs_path(out), runs, compact=True)  # per-step records: large, not committed
     write_json(out, {
         "config": vars(args),
+        "timing": TIMING_IN_TURNS,
         "trainer_args": setup["trainer_args"],
         "elapsed_s": time.perf_counter() - started,
         "summary": {group: without_per_seed(rows) for group, rows in tables.items()},

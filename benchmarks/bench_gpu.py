@@ -7,7 +7,8 @@ random-init Qwen2 of ``--hidden-size`` x ``--layers`` with the toy character tok
 model directory (or a hub id, when the hub is reachable). Task: two-digit addition
 prompts; reward: 1 if the answer appears in the completion, plus half the fraction of digit characters (a
 dense reward, so groups are rarely all equal, whatever the model). Timings are medians over the steps after
-the first generation batch; methods run one after the other in the same process.
+the first generation batch; the methods take turns, one optimizer step at a time, each in a process of its own
+(``dppo_trl.interleave``), so a load that changes falls on both.
 
     python benchmarks/bench_gpu.py --model local --steps 8 --json out.json      # CPU, seconds
     bash benchmarks/gpu.sh                                                        # one NVIDIA GPU, < 10 min
@@ -24,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from harness import PHASES, result_path, run_methods, text_table, warm_up, write_json  # noqa: E402
+from harness import PHASES, TIMING_IN_TURNS, result_path, run_methods, text_table, write_json  # noqa: E402
 
 METHODS = {"grpo": None, "dppo": dict(completion_keep_rate=0.5)}
 
@@ -145,8 +146,9 @@ def main(argv=None):
         "trainer_args": trainer_args,
     }
     methods = dict(METHODS, dppo=dict(completion_keep_rate=args.keep_rate))
-    warm_up(setup, methods["dppo"], steps=min(2, args.steps))
-    runs = run_methods(methods, [0], setup, started=started)
+    # GRPO's and DPPO's steps in turns, each in a process of its own after its own warm-up run (dppo_trl.interleave):
+    # a load that changes falls on both.
+    runs = run_methods(methods, [0], setup, started=started, in_turns=True, threads=None if cuda else 1, warmup=1)
 
     results = []
     for run in runs:
@@ -181,6 +183,7 @@ def main(argv=None):
     ]))
     out = write_json(args.json, {
         "config": vars(args),
+        "timing": TIMING_IN_TURNS,
         "device": device,
         "model": model_dir,
         "trainer_args": trainer_args,

@@ -1,7 +1,10 @@
 """Real-model benchmark: SmolLM2-135M-Instruct (`dppo-trl-smollm2`) with LoRA on a reasoning-gym task, GRPO
 (TRL's trainer) vs DPPO (defaults: keep 0.5, stratified, packing) vs DPPO + prompt pruning, the same number of
 optimizer steps over the same prompt set (several epochs, so that prompt pruning has a history to act on), each
-seed's methods back to back.
+seed's methods in turns: each in a process of its own, one optimizer step at a time (``dppo_trl.interleave``), so
+that a load that changes falls alike on every method and each method's clock counts its own steps only.
+``--one-after-the-other`` runs them back to back in one process instead: for learning runs (``learning.sh``), whose
+steps to a target do not depend on the machine; their time figures are then labelled so (``_one_after_the_other``).
 
 The curve is the reward of every generated completion (all G of a group are scored before any pruning; under
 prompt pruning each prompt weighted by 1/its acceptance probability, the Hajek estimate of the policy's reward on
@@ -37,6 +40,8 @@ import torch  # noqa: E402
 from harness import (  # noqa: E402
     LORA,
     STEP_PHASES,
+    TIMING_IN_TURNS,
+    TIMING_ONE_AFTER_THE_OTHER,
     TARGET_COLUMNS,
     mean_se,
     median_phase_ratios,
@@ -113,10 +118,28 @@ COLUMNS = [
 ]
 
 
+def timing_of(runs) -> str:
+    """How the runs' times were taken: in turns where every run took turns, else one after the other (records
+    from before the turns have no "timing": one after the other)."""
+    taken = {r.get("timing", TIMING_ONE_AFTER_THE_OTHER) for r in runs}
+    return TIMING_IN_TURNS if taken == {TIMING_IN_TURNS} else TIMING_ONE_AFTER_THE_OTHER
+
+
+def timed_key(key: str, timing: str) -> str:
+    """A time figure's key in a summary: ``phase_ratios`` from runs in turns, ``phase_ratios_one_after_the_other``
+    from runs one after the other (one figure per quantity, and a reader sees how it was taken)."""
+    return key if timing == TIMING_IN_TURNS else f"{key}_one_after_the_other"
+
+
+def phase_ratios_of(row):
+    """A summary row's time per step by phase over GRPO's, whichever way it was taken (None where none)."""
+    return row.get("phase_ratios", row.get("phase_ratios_one_after_the_other"))
+
+
 SPEED_COLUMNS = [  # the target figures, then the time per step against GRPO's
     *TARGET_COLUMNS,
-    ("step/GRPO", 15, lambda r: "-" if r["phase_ratios"] is None else pm(*r["phase_ratios"]["step"])),
-    ("train/GRPO", 15, lambda r: "-" if r["phase_ratios"] is None else pm(*r["phase_ratios"]["training"])),
+    ("step/GRPO", 15, lambda r: "-" if phase_ratios_of(r) is None else pm(*phase_ratios_of(r)["step"])),
+    ("train/GRPO", 15, lambda r: "-" if phase_ratios_of(r) is None else pm(*phase_ratios_of(r)["training"])),
 ]
 
 
@@ -209,8 +232,12 @@ def main(argv=None):
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--eval-every", type=int, default=20, help="optimizer steps between held-out evaluations")
     parser.add_argument("--window", type=int, default=8, help="generation batches in the trailing reward mean")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (run nothing else beside it)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs of two steps")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed warm-up runs of two steps (in turns: of each method, in its own process)")
+    parser.add_argument("--one-after-the-other", action="store_true",
+                        help="a seed's methods back to back in this process, not in turns (learning runs only: "
+                             "their time figures are labelled so)")
     parser.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (the vLLM lane's venv)")
     parser.add_argument("--variant", default="dapo", choices=list(VARIANTS), help="loss type or GSPO, every method")
     parser.add_argument("--json", default=result_path("bench_real"))
@@ -239,7 +266,9 @@ def main(argv=None):
         max_completion_length=args.max_completion_length, learning_rate=args.learning_rate, vllm=args.vllm,
     )
     setup["trainer_args"].update(VARIANTS[args.variant])
-    warm_up(setup, METHODS["dppo"], args.warmup, evaluate=None)
+    in_turns = not args.one_after_the_other
+    if not in_turns:  # in turns, each method warms up in its own process
+        warm_up(setup, METHODS["dppo"], args.warmup, evaluate=None)
 
     def note(run):
         rewards = [g["population_reward"] for g in run["generations"]]
@@ -254,7 +283,7 @@ def main(argv=None):
     saved = read_json(runs_file) if args.resume and runs_file.exists() else None
     done = saved["runs"] if saved and saved["trainer_args"] == setup["trainer_args"] else []
     runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, runs=done, started=started,
-                       note=note, after_run=save)
+                       note=note, after_run=save, in_turns=in_turns, threads=args.threads, warmup=args.warmup)
     return report(args, runs, setup["trainer_args"], time.perf_counter() - started, runs_file)
 
 
@@ -298,19 +327,22 @@ def speed_figures(args, runs, rows):
     step by phase against GRPO's (median over seeds); returns the audit's check where a ``dppo+audit`` run was
     paired with ``dppo``'s, and the projection where ``--phases-of`` names paired runs."""
     by = {(r["method"], r["seed"]): r for r in runs}
+    timing = timing_of(runs)
     for row in rows:
         row.update(target_figures(runs, row["method"], args.window))
         seeds = sorted(s for m, s in by if m == row["method"] and ("grpo", s) in by)
-        row["phase_ratios"] = median_phase_ratios([phase_ratios(by[row["method"], s], by["grpo", s]) for s in seeds])
-        row["phase_seconds"] = {name: statistics.median(phase_means(by[row["method"], s])[name][0] for s in seeds)
-                                for name in (*STEP_PHASES, "step")}
-        # Generation per step over GRPO's, from the same runs (paired by seed; median over seeds).
-        row["generation_ratio"] = None if row["phase_ratios"] is None else row["phase_ratios"]["generation"]
+        # Time per step by phase over GRPO's (paired by seed; median over seeds), generation's among them.
+        row[timed_key("phase_ratios", timing)] = median_phase_ratios(
+            [phase_ratios(by[row["method"], s], by["grpo", s]) for s in seeds])
+        row[timed_key("phase_seconds", timing)] = {
+            name: statistics.median(phase_means(by[row["method"], s])[name][0] for s in seeds)
+            for name in (*STEP_PHASES, "step")}
     check = audit_check(runs, rows)
     paired = read_json(args.phases_of) if args.phases_of else None
     project = None
     if paired is not None:
-        training = {r["method"]: tuple(r["phase_ratios"]["training"]) for r in paired["results"] if r["phase_ratios"]}
+        training = {r["method"]: tuple(phase_ratios_of(r)["training"]) for r in paired["results"]
+                    if phase_ratios_of(r)}
         # An 8-step paired run ends inside the first epoch, where prompt pruning accepts every prompt. What its
         # batches cost later is DPPO's paired training ratio scaled by the tokens each trains over the whole run
         # ("ideal": trained over GRPO's padded tokens, which does not depend on the machine or its load).
@@ -327,8 +359,8 @@ def speed_figures(args, runs, rows):
 
 def cut_generation_ratios(args, rows) -> dict:
     """The cut's generation per step over GRPO's, by method: from ``--generation-of`` (bench_cut_generation.py: the
-    calls timed in turn, so load falls on both) where it has the method, else from the learning runs (recorded one
-    after the other, under whatever load each met). Each row records the one used."""
+    calls timed in turn, so load falls on both) where it has the method, else from these runs' own phase ratios
+    (labelled with how they were taken). Each row records the one used (``generation_ratio_projected``)."""
     interleaved = read_json(args.generation_of)["ratios"] if args.generation_of else {}
     ratios = {}
     for row in rows:
@@ -338,9 +370,10 @@ def cut_generation_ratios(args, rows) -> dict:
             measured = interleaved[row["method"]]
             ratios[row["method"]] = (measured["ratio_mean"], measured["ratio_se"])
             row["generation_ratio_source"] = "interleaved"
-        elif row.get("generation_ratio"):
-            ratios[row["method"]] = tuple(row["generation_ratio"])
-            row["generation_ratio_source"] = "learning runs"
+        elif phase_ratios_of(row) and phase_ratios_of(row)["generation"]:
+            ratios[row["method"]] = tuple(phase_ratios_of(row)["generation"])
+            row["generation_ratio_source"] = "these runs, " + ("in turns" if "phase_ratios" in row
+                                                               else "one after the other")
         if row["method"] in ratios:
             row["generation_ratio_projected"] = list(ratios[row["method"]])
     return ratios
@@ -351,11 +384,11 @@ def audit_check(runs, rows):
     measured between the paired ``dppo`` and ``grpo`` runs: within ``AUDIT_TOLERANCE``, relative."""
     audited = [r for r in runs if r["method"] == "dppo+audit" and r.get("audit_times")]
     logged = [v for r in audited for v in r["audit_times"]["step_time_ratio"]]  # none from batches without signal
-    dppo = next((r for r in rows if r["method"] == "dppo" and r["phase_ratios"]), None)
+    dppo = next((r for r in rows if r["method"] == "dppo" and phase_ratios_of(r)), None)
     if not logged or dppo is None:
         return None
     logged = statistics.median(logged)
-    measured = dppo["phase_ratios"]["step"][0]
+    measured = phase_ratios_of(dppo)["step"][0]
     return {
         "audit_step_time_ratio": logged,
         "audit_generation_share": statistics.median(v for r in audited for v in r["audit_times"]["generation_share"]),
@@ -404,7 +437,9 @@ def report(args, runs, trainer_args, elapsed, runs_file):
                                          PAPER_SPEEDUP, TYPICAL_GPU_GENERATION_SHARE))
     out = write_json(args.json, {
         "config": {k: v for k, v in vars(args).items()
-                   if k not in ("from_runs", "phases_of", "generation_of", "resume")},
+                   if k not in ("from_runs", "phases_of", "generation_of", "resume", "one_after_the_other")},
+        # How the runs' times were taken (harness.training.TIMING_*): every time figure below was taken so.
+        "timing": timing_of(runs),
         "seeds": sorted({r["seed"] for r in runs}),
         "trainer_args": trainer_args,
         "lora": LORA,
@@ -423,6 +458,8 @@ def report(args, runs, trainer_args, elapsed, runs_file):
                              for row in rows if row["method"] in CUT},
         "projection": project,
         "projection_sources": {"phases_of": args.phases_of, "generation_of": args.generation_of,
+                               "phases_timing": (read_json(args.phases_of).get("timing", TIMING_ONE_AFTER_THE_OTHER)
+                                                 if args.phases_of else None),
                                "paper_speedup": PAPER_SPEEDUP,
                                "typical_gpu_generation_share": TYPICAL_GPU_GENERATION_SHARE},
         "plots": plots,

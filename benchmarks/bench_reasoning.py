@@ -6,9 +6,10 @@ protocol), timed with generation included, on the countdown task (`dppo_trl.task
 
 TRL's defaults where they matter: `loss_type="dapo"`, `beta=0`, `num_generations=8`, and
 `steps_per_generation` (4) larger than `gradient_accumulation_steps` (2). Greedy held-out accuracy (weighted to
-the training distribution) at fixed points of data progress, outside the clock. Single-threaded; methods
-interleaved within each seed; ratios to GRPO of the same seed. Prints the table and writes JSON (and plots with
-``--plots``).
+the training distribution) at fixed points of data progress, outside the clock. Single-threaded; a seed's methods
+take turns, one optimizer step at a time, each in a process of its own after its own warm-up run
+(``dppo_trl.interleave``), so a load that changes falls alike on all; ratios to GRPO of the same seed. Prints the
+table and writes JSON (and plots with ``--plots``).
 
     make bench-reasoning                      # 2 seeds, tables + JSON + plots in docs/images (~55 min here)
     python benchmarks/bench_reasoning.py --seeds 0 --epochs 1 --methods grpo dppo
@@ -46,7 +47,6 @@ from harness import (  # noqa: E402
     target_figures,
     text_table,
     time_to_target_ratio,
-    warm_up,
     without_per_seed,
     write_json,
 )
@@ -184,8 +184,8 @@ def main(argv=None):
         learning_rate=args.learning_rate, sft_steps=args.sft_steps, hidden_size=args.hidden_size, layers=args.layers,
         model_cache=args.model_cache,
     )
-    warm_up(setup, METHODS["dppo"], args.warmup, evaluate=None)
-    runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, started=started)
+    runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, started=started,
+                       in_turns=True, threads=1, warmup=args.warmup)
     rows = summarize_runs(runs, args.methods, args.eval_window, args.window)
     print_table(rows, COLUMNS, f"countdown, {args.epochs:g} epochs x {args.train_prompts} prompts "
                                f"(seeds {args.seeds}, ratios to GRPO in the same run)")
@@ -196,6 +196,7 @@ def main(argv=None):
     runs_file = write_json(runs_path(out), runs, compact=True)  # per-step records: large, not committed
     write_json(out, {
         "config": vars(args),
+        "timing": TIMING_IN_TURNS,
         "trainer_args": setup["trainer_args"],
         "warm_start": setup["warm_start"],
         "elapsed_s": time.perf_counter() - started,

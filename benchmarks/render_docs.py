@@ -85,6 +85,39 @@ def pm(mean: float, sd: float, spec: str = ".3f") -> str:
     return f"{mean:{spec}} ± {sd:{spec}}"
 
 
+IN_TURNS = "in turns"  # harness.training.TIMING_IN_TURNS
+ONE_AFTER_THE_OTHER = "one after the other"  # harness.training.TIMING_ONE_AFTER_THE_OTHER
+
+
+def timing(data: dict) -> str:
+    """How a record's runs were timed: its ``timing`` ("in turns": each method's steps in turn with the others',
+    ``dppo_trl.interleave``), else one after the other (the records from before the turns)."""
+    return data.get("timing", ONE_AFTER_THE_OTHER)
+
+
+def taken(data: dict) -> str:
+    """A time column's note of how its runs were timed, for a table's header: "(in turns)", "(one after the
+    other)"."""
+    return f"({timing(data)})"
+
+
+def phases_timing(data: dict) -> str:
+    """How the paired runs behind a learning summary's projection were timed (``projection_sources``), one after the
+    other for the summaries made before the turns."""
+    return (data.get("projection_sources") or {}).get("phases_timing") or ONE_AFTER_THE_OTHER
+
+
+def phase_ratios_of(row: dict):
+    """A row's time per step by phase over GRPO's, whichever way it was taken (bench_real.py: ``phase_ratios`` from
+    runs in turns, ``phase_ratios_one_after_the_other`` from learning runs back to back; older paired records:
+    ``phase_ratios``, their record's ``timing`` absent)."""
+    return row.get("phase_ratios", row.get("phase_ratios_one_after_the_other"))
+
+
+def phase_seconds_of(row: dict):
+    return row.get("phase_seconds", row.get("phase_seconds_one_after_the_other"))
+
+
 def span(values: list, spec: str = ".2f") -> str:
     """``a-b`` (min-max), or one value when all are equal at this precision (``spec`` "": already formatted)."""
     texts = [format(v, spec) if spec else v for v in values]
@@ -218,7 +251,7 @@ def reasoning_table(data: dict, columns: list[str], design: str, settings_column
     """One row per method of a bench_reasoning run; ``columns`` from REASONING_HEADERS."""
     epochs = data["config"]["epochs"]
     header = ["method"] + (["settings"] if settings_column else []) + [
-        REASONING_HEADERS[c].format(epochs=epochs) for c in columns]
+        REASONING_HEADERS[c].format(epochs=epochs) + (f" {taken(data)}" if c == "time" else "") for c in columns]
     body = []
     for r in data["results"]:
         cells = reasoning_cells(r, epochs)
@@ -324,7 +357,7 @@ def e2e_methods_table(data: dict) -> str:
     """bench_e2e's methods at the fixed step budget (medians over its seeds, accuracy mean +- sd)."""
     steps = data["config"]["steps"]
     table = data["tables"]["methods"]
-    header = ["method", "s/step", "total time / GRPO", "training phase / GRPO",
+    header = ["method", "s/step", f"total time / GRPO {taken(data)}", "training phase / GRPO",
               "time to GRPO's final reward / GRPO (seeds reaching)", "kept", f"reward at {steps} steps",
               f"held-out accuracy ({table[0]['seeds']} seeds)"]
     design = f"`{run_design('bench_e2e', data)}`"
@@ -349,7 +382,7 @@ def e2e_sweep_table(data: dict, knob: str) -> str:
     steps = data["config"]["steps"]
     prompt = knob == "prompt_keep_rate"
     first = "`prompt_keep_rate` (with keep 0.5)" if prompt else "`completion_keep_rate`"
-    header = [first, "total time / GRPO"] + ([] if prompt else ["training phase / GRPO"]) + [
+    header = [first, f"total time / GRPO {taken(data)}"] + ([] if prompt else ["training phase / GRPO"]) + [
         "time to target / GRPO", f"reward at {steps} steps", "held-out accuracy"]
     default = DEFAULT_PROMPT_KEEP_RATE if prompt else DEFAULT_KEEP_RATE
     extra = {1.0: "(off)"} if prompt else {1.0: "(packing only)"}
@@ -387,7 +420,7 @@ def gpu_table(data: dict) -> str:
     what = (f"`bash benchmarks/gpu.sh` ({c['model']} model, Qwen2 {c['hidden_size']}x{c['layers']}, completions "
             f"<= {c['max_completion_length']}, {c['steps']} steps, {data['device']})")
     by = {r["method"]: r for r in data["results"]}
-    header = ["command", "GRPO s/step", "DPPO s/step", "step ratio", "training-phase ratio"]
+    header = ["command", "GRPO s/step", "DPPO s/step", f"step ratio {taken(data)}", "training-phase ratio"]
     dppo = by["dppo"]
     return md_table(header, [[what, f"{by['grpo']['step_s']:.3f}", f"{dppo['step_s']:.3f}",
                               f"{dppo['step_ratio_to_grpo']:.3f}", f"{dppo['training_phase_ratio_to_grpo']:.3f}"]])
@@ -408,8 +441,8 @@ def real_table(data: dict) -> str:
     and held-out score."""
     labels = {"grpo": "GRPO (TRL)", "dppo": "DPPO (defaults: keep 0.5, stratified, packing)",
               "dppo+prompt": "DPPO + prompt pruning (prompt_keep_rate 0.5)", "packing": "packing alone (keep 1.0)"}
-    header = ["method", "time to GRPO's final reward", "reached", "total time", "training phase", "ideal", "kept",
-              "final reward", "minus GRPO's (paired)", "held-out score (start -> end)"]
+    header = ["method", f"time to GRPO's final reward {taken(data)}", "reached", "total time", "training phase",
+              "ideal", "kept", "final reward", "minus GRPO's (paired)", "held-out score (start -> end)"]
     body = []
     for r in data["results"]:
         ratio = lambda key: pm(r[key + "_mean"], r[key + "_se"]) if r[key + "_mean"] is not None else "-"  # noqa: E731
@@ -465,32 +498,48 @@ def target_cells(r: dict) -> list[str]:
             "-" if ci is None else "yes" if r["heldout_non_inferior"] else "no"]
 
 
+def timed_target_header(records: list[dict]) -> list[str]:
+    """``TARGET_HEADER`` with its time columns labelled by how the records' runs were timed (one label where they
+    agree, else each row's run says it)."""
+    ways = {timing(data) for data in records}
+    note = f" ({ways.pop()})" if len(ways) == 1 else ""
+    return [h + note if h.startswith("time") else h for h in TARGET_HEADER]
+
+
 def learning_table(results: dict) -> str:
     """bench_real*_learning.json, per engine and method: the steps and the time to 90% of GRPO's rise as ratios to
-    GRPO's (mean ± SE over the seeds that reached it), and the final held-out score's paired difference with its
-    95% interval."""
+    GRPO's (mean ± SE over the seeds that reached it; the times labelled with how the runs were timed), and the
+    final held-out score's paired difference with its 95% interval."""
+    records = learning_records(results)
     body = [[engine, REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])), *target_cells(r)]
-            for engine, data in learning_records(results) for r in data["results"] if r["method"] != "grpo"]
-    return md_table(["run", "method", "seeds", *TARGET_HEADER], body)
+            for engine, data in records for r in data["results"] if r["method"] != "grpo"]
+    return md_table(["run", "method", "seeds", *timed_target_header([data for _, data in records])], body)
 
 
 def reasoning_targets_table(data: dict) -> str:
     """bench_reasoning*.json with the 90%-of-rise figures: per method, as ``learning_table``'s."""
     body = [[REAL_LABELS.get(r["method"], r["method"]), str(r["seeds"]), *target_cells(r)]
             for r in data["results"] if r["method"] != "grpo"]
-    return md_table(["method", "seeds", *TARGET_HEADER], body)
+    return md_table(["method", "seeds", *timed_target_header([data])], body)
 
 
-# The paired per-phase records, each a loss (or GSPO), an engine and when: bench-prefix's runs have prefix
-# sharing on (the default since), bench-real-phases' predate it.
+# The paired per-phase records, each a loss (or GSPO) and an engine: bench-prefix's runs have prefix sharing on (the
+# default since 2026-12-05); bench-real-phases' records taken one after the other predate it, those taken in turns
+# (2026-12-07 on) have it.
 PHASE_RECORDS = (
-    ("bench_real_prefix", "`dapo` (TRL's default)", "transformers, prefix sharing on"),
-    ("bench_real_prefix_vllm", "`dapo` (TRL's default)", "vLLM colocated, prefix sharing on"),
-    ("bench_real_phases_dapo", "`dapo` (TRL's default)", "transformers, before prefix sharing"),
-    ("bench_real_phases_grpo", "`grpo`", "transformers, before prefix sharing"),
-    ("bench_real_phases_dr_grpo", "`dr_grpo`", "transformers, before prefix sharing"),
-    ("bench_real_phases_gspo", 'GSPO (`importance_sampling_level="sequence"`)', "transformers, before prefix sharing"),
+    ("bench_real_prefix", "`dapo` (TRL's default)", "transformers"),
+    ("bench_real_prefix_vllm", "`dapo` (TRL's default)", "vLLM colocated"),
+    ("bench_real_phases_dapo", "`dapo` (TRL's default)", "transformers"),
+    ("bench_real_phases_grpo", "`grpo`", "transformers"),
+    ("bench_real_phases_dr_grpo", "`dr_grpo`", "transformers"),
+    ("bench_real_phases_gspo", 'GSPO (`importance_sampling_level="sequence"`)', "transformers"),
 )
+
+
+def phase_record_label(name: str, engine: str, data: dict) -> str:
+    """A paired record's engine, whether prefix sharing was on, and how its runs were timed."""
+    sharing = name.startswith("bench_real_prefix") or timing(data) == IN_TURNS
+    return f"{engine}, {'prefix sharing on' if sharing else 'before prefix sharing'}, {timing(data)}"
 
 
 def phases_table(results: dict) -> str:
@@ -500,7 +549,7 @@ def phases_table(results: dict) -> str:
     header = ["loss", "record", "method", "GRPO's step", "step vs GRPO", "generation", "log-prob passes",
               "loss fwd + bwd", "rest", "all but generation"]
     body = []
-    for name, loss, record in PHASE_RECORDS:
+    for name, loss, engine in PHASE_RECORDS:
         data = results.get(name)
         if data is None:
             continue
@@ -508,10 +557,10 @@ def phases_table(results: dict) -> str:
         for r in data["results"]:
             if r["method"] in ("grpo", "dppo+audit", "dppo+repeated"):
                 continue
-            ratio = r["phase_ratios"]
+            ratio = phase_ratios_of(r)
             cell = lambda name: "-" if ratio[name] is None else "{:.2f} ± {:.2f}".format(*ratio[name])  # noqa: E731
-            body.append([loss, record, REAL_LABELS.get(r["method"], r["method"]),
-                         f"{grpo['phase_seconds']['step']:.1f} s", cell("step"), cell("generation"), cell("logps"),
+            body.append([loss, phase_record_label(name, engine, data), REAL_LABELS.get(r["method"], r["method"]),
+                         f"{phase_seconds_of(grpo)['step']:.1f} s", cell("step"), cell("generation"), cell("logps"),
                          cell("loss"), cell("rest"), cell("training")])
     return md_table(header, body)
 
@@ -523,7 +572,9 @@ def projection_table(results: dict) -> str:
                for engine, data in learning_records(results)
                for m in dict.fromkeys(p["method"] for p in data["projection"])]
     shares = sorted({s for *_, at in columns for s in at})
-    header = ["generation's share of GRPO's step", *(f"{REAL_LABELS.get(m, m)}, {engine}" for engine, m, _ in columns)]
+    phases = {engine: phases_timing(data) for engine, data in learning_records(results)}
+    header = ["generation's share of GRPO's step",
+              *(f"{REAL_LABELS.get(m, m)}, {engine} (time per step {phases[engine]})" for engine, m, _ in columns)]
     cell = lambda p: f"{p['time_ratio']:.2f} ± {p['time_ratio_se']:.2f} ({1 / p['time_ratio']:.2f}x)"  # noqa: E731
     body = [[f"{s:.0%}", *(cell(at[s]) for *_, at in columns)] for s in shares]
     return md_table(header, body)
@@ -551,7 +602,7 @@ def cut_table(results: dict) -> str:
             ci = r["heldout_final_diff_ci"]
             at = next(p for p in data["projection"]
                       if p["method"] == method and abs(p["generation_share"] - 0.7) < 1e-9)
-            generation = r.get("generation_ratio_projected") or r["generation_ratio"]
+            generation = r.get("generation_ratio_projected") or phase_ratios_of(r)["generation"]
             body.append([engine, REAL_LABELS[method], str(len(r["seeds"])), _reached(r, "steps_to_90_ratio"),
                          _reached(r, "heldout_steps_to_90_ratio"),
                          "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
@@ -605,7 +656,8 @@ HEADLINE_RUNS = (("bench_real", "transformers"), ("bench_real_vllm", "vLLM, colo
 def headline_table(results: dict) -> str:
     """README's headline: DPPO at its defaults against GRPOTrainer on the real model, one row per generation
     engine (bench_real*.json; ratios mean ± SE over seeds, paired by seed)."""
-    header = ["generating with", "run", "whole run: time / GRPO's", "training phase: time / GRPO's", "completions kept",
+    header = ["generating with", "run", "whole run: time / GRPO's", "training phase: time / GRPO's", "timed",
+              "completions kept",
               "final reward minus GRPO's", "held-out: GRPO -> DPPO"]
     body = []
     for name, engine in HEADLINE_RUNS:
@@ -614,7 +666,7 @@ def headline_table(results: dict) -> str:
         config = data["config"]
         body.append([engine, f"{config['steps']} steps, {len(config['seeds'])} seeds",
                      pm(dppo["total_ratio_mean"], dppo["total_ratio_se"]),
-                     pm(dppo["training_phase_ratio_mean"], dppo["training_phase_ratio_se"]),
+                     pm(dppo["training_phase_ratio_mean"], dppo["training_phase_ratio_se"]), timing(data),
                      f"{dppo['kept_fraction']:.0%}", pm(dppo["final_reward_diff_mean"], dppo["final_reward_diff_se"]),
                      f"{grpo['heldout_final_mean']:.3f} -> {dppo['heldout_final_mean']:.3f}"])
     return md_table(header, body)
@@ -627,10 +679,12 @@ def headline_speed_table(results: dict) -> str:
     records = learning_records(results, LEARNING_RUNS[:DEFAULT_LOSS_RUNS])
     share = records[0][1]["projection_sources"]["typical_gpu_generation_share"]  # one constant of bench_real.py
     header = ["generating with", "method", "seeds", "steps to target: reward", "steps: held-out",
-              "held-out minus GRPO's, 95% CI", f"projected speedup at {share:.0%} generation"]
+              "held-out minus GRPO's, 95% CI", f"projected speedup at {share:.0%} generation",
+              "its time per step, timed"]
     body = []
     for engine, data in records:
         at = {p["method"]: p for p in data["projection"] if abs(p["generation_share"] - share) < 1e-9}
+        phases = phases_timing(data)
         for r in data["results"]:
             if r["method"] == "grpo":
                 continue
@@ -639,7 +693,7 @@ def headline_speed_table(results: dict) -> str:
             body.append([engine, REAL_LABELS.get(r["method"], r["method"]), str(len(r["seeds"])),
                          _reached(r, "steps_to_90_ratio"), _reached(r, "heldout_steps_to_90_ratio"),
                          "-" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
-                         "-" if speed is None else f"{1 / speed['time_ratio']:.2f}x"])
+                         "-" if speed is None else f"{1 / speed['time_ratio']:.2f}x", phases])
     return md_table(header, body)
 
 
@@ -662,8 +716,8 @@ def real_prefix_table(results: dict) -> str:
     """bench_real_prefix*.json (paired 8-step runs): per engine, the share of token positions prefix sharing removed,
     DPPO's phases with sharing over DPPO's without (median over seeds of each seed's ratio ± SE over its steps) and
     each one's step over GRPO's."""
-    header = ["generation", "seeds", "token positions removed", "old/ref log-prob passes", "loss forward + backward",
-              "training phase", "whole step", "step / GRPO's: shared", "repeated"]
+    header = ["generation", "timed", "seeds", "token positions removed", "old/ref log-prob passes",
+              "loss forward + backward", "training phase", "whole step", "step / GRPO's: shared", "repeated"]
     body = []
     for name, engine in PREFIX_ENGINES.items():
         if name not in results:
@@ -671,9 +725,9 @@ def real_prefix_table(results: dict) -> str:
         data = results[name]
         sharing, by = data["prefix_sharing"], {r["method"]: r for r in data["results"]}
         ratios = sharing["ratios"]
-        body.append([engine, str(len(sharing["seeds"])), f"{sharing['prefix_tokens_saved']:.2f}",
+        body.append([engine, timing(data), str(len(sharing["seeds"])), f"{sharing['prefix_tokens_saved']:.2f}",
                      *(pm(*ratios[p]) if ratios[p] else "-" for p in ("logps", "loss", "training", "step")),
-                     pm(*by["dppo"]["phase_ratios"]["step"]), pm(*by["dppo+repeated"]["phase_ratios"]["step"])])
+                     pm(*phase_ratios_of(by["dppo"])["step"]), pm(*phase_ratios_of(by["dppo+repeated"])["step"])])
     return md_table(header, body)
 
 

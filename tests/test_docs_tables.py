@@ -77,6 +77,9 @@ def test_the_real_model_table_from_a_small_dict():
     never = dict(row, method="topk", reached_target="0/2", time_to_target_ratio_mean=None)
     once = dict(row, method="once", reached_target="1/2", time_to_target_ratio_se=0.0)
     table = render_docs.real_table({"results": [row, never, once]}).splitlines()
+    assert "| time to GRPO's final reward (one after the other) |" in table[0]  # a record without "timing"
+    in_turns = render_docs.real_table({"results": [row], "timing": "in turns"}).splitlines()
+    assert "| time to GRPO's final reward (in turns) |" in in_turns[0] and in_turns[2] == table[2]
     assert table[2] == ("| DPPO (defaults: keep 0.5, stratified, packing) | 0.410 ± 0.034 | 2/2 | 0.500 ± 0.010 | "
                         "0.300 ± 0.020 | 0.250 ± 0.000 | 0.46 | 0.410 ± 0.030 | -0.020 ± 0.010 | "
                         "0.200 -> 0.350 ± 0.050 |")
@@ -101,6 +104,13 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
                "bench_real_vllm_learning": {"results": [grpo, vllm]}}
     table = render_docs.learning_table(results).splitlines()
     assert len(table) == 5 and table[0].startswith("| run |")  # GRPO's own rows (all 1) are left out
+    # The time columns say how the runs were timed: one after the other for records without "timing".
+    assert "| time to target: training reward (one after the other) |" in table[0]
+    assert "| steps to target: training reward |" in table[0]
+    turns = {name: dict(data, timing="in turns") for name, data in results.items()}
+    assert "| time: held-out score (in turns) |" in render_docs.learning_table(turns).splitlines()[0]
+    mixed = dict(results, bench_real_vllm_learning=turns["bench_real_vllm_learning"])
+    assert "| time to target: training reward |" in render_docs.learning_table(mixed).splitlines()[0]
     assert table[2] == ("| transformers | DPPO (keep 0.5) | 3 | 0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | "
                         "0.80 ± 0.05 (3/3) | 0.80 ± 0.05 (3/3) | +0.010 [-0.040, +0.060] | yes |")
     fill = "DPPO + prompt pruning, retired fill mode (0.5, ema score)"
@@ -114,7 +124,10 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
     faster = [dict(p, time_ratio=p["time_ratio"] / 2) for p in projection]
     both = {"bench_real_learning": {"projection": projection}, "bench_real_vllm_learning": {"projection": faster}}
     assert render_docs.projection_table(both).splitlines()[0].endswith(
-        "| DPPO (keep 0.5), transformers | DPPO (keep 0.5), vLLM, colocated |")
+        "| DPPO (keep 0.5), transformers (time per step one after the other) "
+        "| DPPO (keep 0.5), vLLM, colocated (time per step one after the other) |")
+    both["bench_real_learning"]["projection_sources"] = {"phases_timing": "in turns"}
+    assert "| DPPO (keep 0.5), transformers (time per step in turns) |" in render_docs.projection_table(both)
     assert render_docs.projection_table(both).splitlines()[2:] == [
         "| 10% | 0.25 ± 0.01 (4.00x) | 0.12 ± 0.01 (8.00x) |",
         "| 70% | 0.50 ± 0.01 (2.00x) | 0.25 ± 0.01 (4.00x) |",
@@ -124,8 +137,12 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
                                     "projection_sources": sources},
             "bench_real_vllm_learning": {"results": [grpo, vllm], "projection": faster, "projection_sources": sources}}
     headline = render_docs.headline_speed_table(data).splitlines()
-    assert headline[2].startswith("| transformers | DPPO (keep 0.5) |") and headline[2].endswith("| 2.00x |")
-    assert headline[3].startswith("| vLLM, colocated | DPPO (keep 0.5) | 2 |") and headline[3].endswith("| 4.00x |")
+    assert headline[2].startswith("| transformers | DPPO (keep 0.5) |")
+    assert headline[2].endswith("| 2.00x | one after the other |")
+    assert headline[3].startswith("| vLLM, colocated | DPPO (keep 0.5) | 2 |")
+    assert headline[3].endswith("| 4.00x | one after the other |")
+    data["bench_real_learning"]["projection_sources"] = dict(sources, phases_timing="in turns")
+    assert render_docs.headline_speed_table(data).splitlines()[2].endswith("| 2.00x | in turns |")
 
 
 def test_inline_values_read_fields_ratios_and_ranges():

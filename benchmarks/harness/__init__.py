@@ -2,7 +2,8 @@
 its setup and its figures.
 
 - ``training``: the timed trainer (``timed``: TRL's phases clocked, each generation batch recorded), the clock
-  callback, ``run_one`` (one method, one seed), ``warm_up``, ``run_methods`` (methods x seeds).
+  callback, ``run_one`` (one method, one seed), ``warm_up``, ``run_methods`` (methods x seeds; ``in_turns``: a
+  seed's methods take turns, one optimizer step each, in processes of their own, ``dppo_trl.interleave``).
 - ``figures``: curves (``reward_curve``, ``eval_curve``, ``trailing_mean``), ``time_to`` a target and its ratio
   to GRPO's, ``cost_figures`` of a method against GRPO's run of the same seed, ``summarize`` (one row per method
   over seeds; ``summarize_at_budget`` at a common step budget), ``mean_se`` and ``pooled`` standard errors.
@@ -73,7 +74,19 @@ from .targets import (
     revisit_outcomes,
     target_figures,
 )
-from .training import PHASE_LABELS, PHASES, clock, data_progress, run_methods, run_one, timed, warm_up
+from .training import (
+    PHASE_LABELS,
+    PHASES,
+    TIMING_IN_TURNS,
+    TIMING_ONE_AFTER_THE_OTHER,
+    clock,
+    data_progress,
+    run_methods,
+    run_one,
+    timed,
+    turn_job,
+    warm_up,
+)
 
 __all__ = [
     "budget_figures", "clock", "config_default", "cost_figures", "countdown_accuracy", "countdown_setup",
@@ -83,6 +96,7 @@ __all__ = [
     "reasoning_gym_setup", "result_path", "revisit_outcomes", "reward_curve", "reward_panels", "run_methods",
     "run_one", "runs_path", "seed_mean", "SHARES",
     "STEP_PHASE_LABELS", "STEP_PHASES", "suite_helper", "summarize", "summarize_at_budget", "target_figures",
-    "TARGET_COLUMNS", "text_table", "time_to", "time_to_target_ratio", "timed", "trailing_mean", "vllm_on_cpu",
+    "TARGET_COLUMNS", "text_table", "time_to", "time_to_target_ratio", "timed", "TIMING_IN_TURNS",
+    "TIMING_ONE_AFTER_THE_OTHER", "trailing_mean", "turn_job", "vllm_on_cpu",
     "warm_up", "without_per_seed", "write_json",
 ]

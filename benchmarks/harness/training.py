@@ -12,6 +12,11 @@ import time
 import torch
 
 PHASES = ("generation", "scoring", "loss", "other")
+# How a run's times were taken (each run's "timing"): in turns with the other methods of its seed (one optimizer step
+# each, in processes of their own: dppo_trl.interleave), or one after the other in one process (older records, and
+# the learning runs, whose steps to a target do not depend on the machine).
+TIMING_IN_TURNS = "in turns"
+TIMING_ONE_AFTER_THE_OTHER = "one after the other"
 AUDIT_TIMES = ("train_time_ratio", "step_time_ratio", "generation_share")
 PHASE_LABELS = {
     "generation": "generation",
@@ -139,11 +144,14 @@ def timed(trainer_cls):
     return Timed
 
 
-def clock(trainer, evaluate, eval_every, budget, progress=None):
+def clock(trainer, evaluate, eval_every, budget, progress=None, turns=None):
     """Per-step wall clock (evaluation excluded), phase split, and held-out evaluation each time ``progress``
     (optimizer steps by default; a function of the trainer, e.g. ``data_progress``) passes a multiple of
-    ``eval_every``, at the start, at the step budget and at the end."""
+    ``eval_every``, at the start, at the step budget and at the end. With ``turns`` (``dppo_trl.interleave.Turns``:
+    the run takes turns with others) the wall clock is the run's own clock of turns, which stops while the others
+    take theirs."""
     progress = progress or (lambda trainer: trainer.state.global_step)
+    now = turns.elapsed if turns is not None else time.perf_counter
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
@@ -153,22 +161,22 @@ def clock(trainer, evaluate, eval_every, budget, progress=None):
         def _evaluate(self, state):
             if evaluate is None:
                 return
-            start = time.perf_counter()
+            start = now()
             model = trainer.accelerator.unwrap_model(trainer.model)
             was_training = model.training
             model.eval()
             result = evaluate(model)  # a float, or a dict with the main figure under "accuracy"
             model.train(was_training)
-            self.excluded += time.perf_counter() - start
+            self.excluded += now() - start
             result = result if isinstance(result, dict) else {"accuracy": result}
             self.evals.append({"step": state.global_step, "progress": progress(trainer), "wall": self.wall(), **result})
 
         def wall(self):
-            return time.perf_counter() - self.start - self.excluded
+            return now() - self.start - self.excluded
 
         def on_train_begin(self, args, state, control, **kwargs):
             trainer._bench_reset()
-            self.start = time.perf_counter()
+            self.start = now()
             self.last_phase, self.last_logps = dict(trainer.bench_phase), trainer.bench_logps
             self.last_wall, self.next_eval = 0.0, eval_every
             self._evaluate(state)
@@ -198,7 +206,7 @@ def data_progress(trainer) -> int:
     return trainer.state.global_step
 
 
-def run_one(name, settings, seed, setup):
+def run_one(name, settings, seed, setup, turns=None):
     """Train one method (``settings``: DPPOConfig fields, None for TRL's GRPO) from ``setup["model_dir"]`` for
     ``setup["steps"]`` optimizer steps (pruned methods go on for ``setup["extension"]`` more, used only to see
     when they reach GRPO's final reward), or for ``setup["epochs"]`` epochs where given; return its per-step,
@@ -206,7 +214,11 @@ def run_one(name, settings, seed, setup):
 
     ``setup`` also holds ``reward_funcs``, ``train_dataset``, ``trainer_args`` (config fields of every method),
     ``eval_every``, and optionally ``evaluate`` (a function of the model and ``tokenizer=``), ``progress`` (what
-    ``eval_every`` counts, ``clock``) and ``trainer_kwargs`` (e.g. ``peft_config``)."""
+    ``eval_every`` counts, ``clock``) and ``trainer_kwargs`` (e.g. ``peft_config``).
+
+    DPPO runs without its speed check (``speed_check=False`` unless ``settings`` say otherwise): it would time
+    GRPO's training passes once on DPPO's clock. ``turns``: the run takes turns with others (``run_in_turns``),
+    one optimizer step at a time, and its clock counts its own steps only."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -231,7 +243,7 @@ def run_one(name, settings, seed, setup):
     if settings is None:
         trainer_cls, args = timed(GRPOTrainer), GRPOConfig(**common)
     else:
-        trainer_cls, args = timed(DPPOTrainer), DPPOConfig(**common, **settings)
+        trainer_cls, args = timed(DPPOTrainer), DPPOConfig(**common, **{"speed_check": False, **settings})
     trainer = trainer_cls(
         setup["model_dir"],
         setup["reward_funcs"],
@@ -242,8 +254,12 @@ def run_one(name, settings, seed, setup):
     evaluate = setup.get("evaluate")
     if evaluate is not None:
         evaluate = functools.partial(evaluate, tokenizer=trainer.processing_class)
-    timer = clock(trainer, evaluate, setup["eval_every"], setup.get("steps"), setup.get("progress"))
+    timer = clock(trainer, evaluate, setup["eval_every"], setup.get("steps"), setup.get("progress"), turns)
     trainer.add_callback(timer)
+    if turns is not None:
+        from dppo_trl.interleave import turns_callback
+
+        trainer.add_callback(turns_callback(turns))
     for quiet in (PrinterCallback, ProgressCallback, DPPOSummaryCallback):  # the table is the report
         trainer.remove_callback(quiet)
     torch.manual_seed(seed)
@@ -253,6 +269,7 @@ def run_one(name, settings, seed, setup):
         "settings": settings,
         "seed": seed,
         "budget": setup.get("steps"),
+        "timing": TIMING_IN_TURNS if turns is not None else TIMING_ONE_AFTER_THE_OTHER,
         "steps": timer.steps,
         "generations": trainer.bench_generations,
         "evals": timer.evals,
@@ -272,27 +289,75 @@ def warm_up(setup, settings, count=1, **overrides):
         run_one("warmup", settings, 0, {**setup, "epochs": None, "steps": 2, "extension": 0, **overrides})
 
 
-def run_methods(methods, seeds, setup, runs=None, started=None, label="", note=None, after_run=None):
-    """Train each of ``methods`` (name -> DPPOConfig settings, None for GRPO) in each of ``seeds``, the methods
-    back to back within a seed, appending to ``runs`` (returned). A (method, seed) already in ``runs`` is not run
-    again; one whose settings match a run of that seed reuses that run under its own name. Prints a progress line
-    per run (``label`` first, ``note(run)`` before the held-out figures); ``after_run(runs)`` after each new run."""
+def run_methods(methods, seeds, setup, runs=None, started=None, label="", note=None, after_run=None,
+                in_turns=False, threads=None, warmup=0):
+    """Train each of ``methods`` (name -> DPPOConfig settings, None for GRPO) in each of ``seeds``, appending to
+    ``runs`` (returned). A (method, seed) already in ``runs`` is not run again; one whose settings match a run of
+    that seed reuses that run under its own name. Prints a progress line per run (``label`` first, ``note(run)``
+    before the held-out figures); ``after_run(runs)`` after each new run (in turns: after each seed).
+
+    ``in_turns``: a seed's methods take turns (``dppo_trl.interleave.run_in_turns``), each in a process of its own
+    with ``threads`` torch threads and ``warmup`` untimed warm-up runs of its own settings first, one optimizer step
+    at a time, the first turn going to another method in each seed; so a load that changes falls alike on every
+    method, and each method's clock counts its own steps only. Otherwise the methods run back to back in this
+    process (their times then carry whatever load each met)."""
     runs = [] if runs is None else runs
     started = time.perf_counter() if started is None else started
+
+    def report(run, seed):
+        evals = run["evals"]
+        held_out = f"held-out {evals[0]['accuracy']:.3f} -> {evals[-1]['accuracy']:.3f}" if evals else ""
+        print(f"[{time.perf_counter() - started:7.0f} s] {label}{run['method']} seed {seed}: {len(run['steps'])} "
+              f"steps, {run['steps'][-1]['wall']:.1f} s ({run['timing']}), {note(run) if note else ''}{held_out}",
+              flush=True)
+
     for seed in seeds:
+        todo, reused = [], []
         for name, settings in methods.items():
             if any(r["method"] == name and r["seed"] == seed for r in runs):
                 continue
             cached = [r for r in runs if r["seed"] == seed and r["settings"] == settings]
             if cached:  # the same settings under another name (e.g. keep=0.5 is `dppo`): reuse the run
                 runs.append(dict(cached[0], method=name))
-                continue
-            run = run_one(name, settings, seed, setup)
-            evals = run["evals"]
-            held_out = f"held-out {evals[0]['accuracy']:.3f} -> {evals[-1]['accuracy']:.3f}" if evals else ""
-            print(f"[{time.perf_counter() - started:7.0f} s] {label}{name} seed {seed}: {len(run['steps'])} steps, "
-                  f"{run['steps'][-1]['wall']:.1f} s, {note(run) if note else ''}{held_out}", flush=True)
-            runs.append(run)
+            elif any(other == settings for _, other in todo):
+                reused.append((name, settings))  # the same settings as a run of this seed still to come
+            else:
+                todo.append((name, settings))
+        if in_turns and todo:
+            shift = seed % len(todo)  # each seed gives the first turn to another method
+            order = todo[shift:] + todo[:shift]
+            from dppo_trl.interleave import run_in_turns
+
+            done = run_in_turns([(turn_job, name, settings, seed, setup, threads, warmup) for name, settings in order],
+                                preload=("dppo_trl.trainer",))
+            by_name = {run["method"]: run for run in done}
+            for name, _ in todo:
+                report(by_name[name], seed)
+                runs.append(by_name[name])
             if after_run is not None:
                 after_run(runs)
+        else:
+            for name, settings in todo:
+                run = run_one(name, settings, seed, setup)
+                report(run, seed)
+                runs.append(run)
+                if after_run is not None:
+                    after_run(runs)
+        for name, settings in reused:
+            runs.append(dict(next(r for r in runs if r["seed"] == seed and r["settings"] == settings), method=name))
     return runs
+
+
+def turn_job(turns, name, settings, seed, setup, threads=None, warmup=0):
+    """One method's run as a job of ``dppo_trl.interleave.run_in_turns``, in a process of its own: ``threads``
+    torch threads, the vLLM shim where the setup generates with vLLM, ``warmup`` untimed runs of two steps of the
+    same settings (first-call costs), all off the clock; then the run, its optimizer steps in turns."""
+    if threads:
+        torch.set_num_threads(threads)
+    if setup["trainer_args"].get("use_vllm"):
+        from .setups import vllm_on_cpu
+
+        vllm_on_cpu()  # the CPU shim is applied per process
+    if warmup:
+        warm_up(setup, settings, warmup, evaluate=None)
+    return run_one(name, settings, seed, setup, turns=turns)
