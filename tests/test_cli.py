@@ -492,6 +492,14 @@ def test_a_missing_model_is_one_line_before_anything_loads(model, tmp_path, monk
     assert ("does not exist" if "missing" in model else "HF_HUB_OFFLINE=1") in err
 
 
+def questions_run_config(tmp_path, model_dir) -> str:
+    """``tiny_run_config`` whose dataset's prompts are in a ``question`` column."""
+    config = tiny_run_config(tmp_path, model_dir, "max_steps: 1\n")
+    data = tmp_path / "data" / "train.jsonl"
+    data.write_text(data.read_text().replace('"prompt":', '"question":'))
+    return config
+
+
 def test_a_dataset_without_a_prompt_column_is_one_line_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch,
                                                                                capsys):
     """TRL's script loads the dataset before the trainer; the trainer refuses it before GRPOTrainer.__init__."""
@@ -501,12 +509,61 @@ def test_a_dataset_without_a_prompt_column_is_one_line_before_the_model_loads(tm
         raise AssertionError("the model loaded")
 
     monkeypatch.setattr(trl.GRPOTrainer, "__init__", loads)
-    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n")
-    data = tmp_path / "data" / "train.jsonl"
-    data.write_text(data.read_text().replace('"prompt":', '"question":'))
+    config = questions_run_config(tmp_path, tiny_model_dir)
     with pytest.raises(SystemExit) as error:
         main(["--config", config])
     assert error.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith("dppo-trl: train_dataset has no 'prompt' column (its columns: question, ")
     assert "Traceback" not in err
+
+
+class Ended(Exception):
+    """In place of the launcher's SIGTERM: the process was ended while it waited."""
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_a_launch_only_the_main_process_prints_the_datasets_line(rank, tmp_path, tiny_model_dir, monkeypatch,
+                                                                         capsys):
+    """Every process of a launch meets the dataset check and stops with status 2. The main one prints its line at
+    once; another waits first (the launcher ends it once the main one has exited), so it prints nothing where it
+    is ended during the wait, and its line only where it is not (the main process did not meet the error)."""
+    import trl
+
+    launch = importlib.import_module("dppo_trl.cli.launch")  # the module (dppo_trl.cli.launch is also a function)
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    def ended(seconds):
+        raise Ended
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", loads)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(launch.time, "sleep", ended)
+    config = questions_run_config(tmp_path, tiny_model_dir)
+    capsys.readouterr()
+    with pytest.raises(Ended if rank == "1" else SystemExit):
+        main(["--config", config])
+    line = "dppo-trl: train_dataset has no 'prompt' column (its columns: question, "
+    assert (line in capsys.readouterr().err) == (rank == "0")
+    waited = []
+    monkeypatch.setattr(launch.time, "sleep", waited.append)
+    with pytest.raises(SystemExit) as error:
+        main(["--config", config])
+    assert error.value.code == 2 and waited == ([] if rank == "0" else [launch.REPORT_GRACE_S])
+    assert capsys.readouterr().err.count(line) == 1
+
+
+@pytest.mark.subprocess
+def test_two_processes_print_the_datasets_line_once_and_exit_2(tmp_path, tiny_model_dir):
+    """``--num_processes 2`` on the CPU: both processes refuse the dataset, its line is printed once, and the
+    launching process exits with status 2, without the launcher's traceback."""
+    config = questions_run_config(tmp_path, tiny_model_dir)
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DPPO_TRL_LAUNCHED": ""}
+    log = tmp_path / "log.txt"
+    status = run_cli_with_timeout(["--config", config, "--num_processes", "2"], env, log, timeout=240)
+    output = log.read_text()
+    assert status == 2, output[-3000:]
+    assert output.count("dppo-trl: train_dataset has no 'prompt' column (its columns: question, ") == 1, output
+    assert "Traceback" not in output

@@ -40,7 +40,7 @@ from .arguments import (
     split_launch_args,
     split_launch_keys,
 )
-from .launch import _exit_without_finalizers, launch, needs_launch, plan_launch, process_plan
+from .launch import _exit_without_finalizers, launch, needs_launch, plan_launch, process_plan, report
 from .recipes import bundled_recipes, recipes_dir
 from .runtime import _dppo_in_place_of_grpo, _reasoning_gym_as_dataset
 
@@ -82,7 +82,8 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``dppo-trl ARGV``: every check, then the launch or the run. A ``CLIError`` (from the checks, or from the
-    trainer's own checks of what TRL's script loaded) is printed as its one line before it exits."""
+    trainer's own checks of what TRL's script loaded) is printed as its one line before it exits; under a launch
+    of several processes, each of which meets it, once (``launch.report``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
@@ -95,6 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run(script_args, training_args, model_args, dataset_args)
     except CLIError as error:
-        print(error, file=sys.stderr)
+        report(error)
         raise
     return 0

@@ -24,9 +24,11 @@ class CLIError(SystemExit):
     """A bad command line or YAML: ``main`` prints ``dppo-trl: <message>`` (``str(error)``) and exits with
     status 2, as argparse does, before anything is loaded."""
 
+    status = 2
+
     def __init__(self, message: str):
         super().__init__(f"dppo-trl: {message}")
-        self.code = 2
+        self.code = self.status
 
 
 def resolve_config(value: str) -> str:

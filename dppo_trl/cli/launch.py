@@ -1,12 +1,15 @@
 """How a ``dppo-trl`` run with launch options gets its processes: ``accelerate launch`` of ``-m dppo_trl`` as
 ``trl grpo`` does, except that ``--num_processes N`` > 1 on the CPU goes through torch.distributed.run (gloo),
 where accelerate would start one process, and N > 1 that accelerate would cut to one on GPUs is refused; and how
-a process of such a CPU group ends (``_exit_without_finalizers``)."""
+a process of such a CPU group ends (``_exit_without_finalizers``); how a ``CLIError`` that every process of a launch
+meets is printed once (``report``)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 
 from .arguments import CLIError
 
@@ -88,20 +91,59 @@ def plan_launch(launch_args: list[str], training_argv: list[str], use_cpu: bool)
     return args, {"ACCELERATE_USE_CPU": "true"}
 
 
+def is_main_process() -> bool:
+    """Whether this process is the main one of its launch: rank 0 as torch.distributed.run, DeepSpeed or an MPI
+    launcher numbers it (``RANK``, ...); a process that no launch numbered is."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value) == 0
+    return True
+
+
+REPORT_GRACE_S = 30.0  # how long another process of a launch waits for the launcher to end it (see report)
+
+
+def report(error: CLIError) -> None:
+    """Print ``error``'s line once for a launch whose processes all meet it (the trainer's dataset check): the main
+    process prints it at once; any other first waits ``REPORT_GRACE_S`` seconds, in which the launcher ends it
+    once the main process has exited (torch.distributed.run, DeepSpeed and mpirun stop every process when one
+    fails), so it prints only where the main process did not meet the error, and its exit cannot end the main
+    process before that prints."""
+    if not is_main_process():
+        time.sleep(REPORT_GRACE_S)
+    print(error, file=sys.stderr)
+
+
 def needs_launch(launch_args: list[str]) -> bool:
     """Whether this process starts the run under ``accelerate launch``: there are launch arguments, and it is not
     itself one of the processes a launch started."""
     return bool(launch_args) and os.environ.get(_LAUNCHED) != "1"
 
 
+def _exit_status(error: BaseException) -> int | None:
+    """The exit status of the launched process whose failure ``error`` (the launcher's) reports first."""
+    if isinstance(error, subprocess.CalledProcessError):
+        return error.returncode
+    return error.get_first_failure()[1].exitcode
+
+
 def launch(accelerate_args, launch_env: dict[str, str]) -> None:
-    """Start the run as ``plan_launch`` planned it: ``accelerate launch`` with ``launch_env`` set."""
+    """Start the run as ``plan_launch`` planned it: ``accelerate launch`` with ``launch_env`` set. Where the
+    launched run stopped at a ``CLIError`` (status 2), which its main process printed, this process exits with
+    status 2 too, without the launcher's traceback under that line."""
     from accelerate.commands.launch import launch_command
     from accelerate.utils import patch_environment
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ[_LAUNCHED] = "1"
-    with patch_environment(**launch_env):
-        launch_command(accelerate_args)
+    try:
+        with patch_environment(**launch_env):
+            launch_command(accelerate_args)
+    except (ChildFailedError, subprocess.CalledProcessError) as error:
+        if _exit_status(error) == CLIError.status:
+            raise SystemExit(CLIError.status) from None
+        raise
 
 
 def _exit_without_finalizers() -> None:
