@@ -4,7 +4,7 @@ every forward call of its models, and its final parameters (whole, also when sha
 
     multiprocess_worker.py MODEL_DIR OUT_DIR SAMPLING RATE MAX_STEPS [TOLERANCE] [--prompt-keep-rate R --stop S]
                            [--steps-per-generation N] [--fsdp] [--perturb-rank R] [--beta B]
-                           [--no-prefix-sharing]
+                           [--no-prefix-sharing] [--reference-passes] [--float64]
 
 TOLERANCE is DPPOTrainer.RANK_BALANCE_TOLERANCE ('inf': never move rows). With --stop S the run saves a
 checkpoint at step S and stops, and a second trainer resumes from it to MAX_STEPS. With --perturb-rank R, rank
@@ -13,6 +13,10 @@ rank whose math library rounds differently). With --fsdp the policy and the refe
 FSDP2 (`fully_shard`) instead of the policy being wrapped in DDP. --beta B: the KL coefficient (default 0.05).
 --audit-sketch K: the gradient audit on every generation batch through a K-direction sketch (no clipping), each
 audit's two reduced sketches and the optimizer's gradient at every step saved per rank (audit{rank}.pt).
+--reference-passes: each training batch's rows and reference log-probs kept, and after training compared with
+TRL's padded pass over the rank's batch, and with that pass one column wider (``reference_pass_errors``).
+--float64: the models and TRL's log-prob kernel in float64 (``support.exact``).
+Every run records, per training batch, the kept rows that another rank generated (``foreign_kept``).
 
 Every forward call of the policy and reference models is recorded (a forward pre-hook): which model, whether it
 is a log-prob call (``labels`` or ``shift_labels`` among its kwargs; generation calls have neither), whether
@@ -29,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from support.configs import cpu_config  # noqa: E402
+from support.configs import cpu_config, float64_settings  # noqa: E402
+from support.exact import use_float64_kernels  # noqa: E402
 from support.models import addition_prompts  # noqa: E402
 from support.processes import full_parameters, leave_without_destructors  # noqa: E402
 from support.recording import OptimizerGradients, Recorder, append  # noqa: E402
@@ -39,10 +44,14 @@ from support.training import StopAt  # noqa: E402
 from dppo_trl import DPPOTrainer  # noqa: E402
 
 
+PASS_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "dppo_keep", "ref_per_token_logps")
+
+
 class Worker(Recorder, DPPOTrainer):
     # each training batch's global keep mask and local kept rows, its prompts, the audits, the prompt decisions
     record_masks = record_prompts = record_audits = record_prompt_decisions = True
     perturb_rank = None  # --perturb-rank R: rank R's scores moved by one ulp before its keep decision
+    record_reference_passes = False  # --reference-passes: each training batch's rows and reference log-probs
 
     def _generate_and_score_completions(self, inputs):
         self.generation_index = getattr(self, "generation_index", -1) + 1
@@ -53,6 +62,11 @@ class Worker(Recorder, DPPOTrainer):
             append(self, "widths", [self.generation_index, width])
             lengths = out["prompt_mask"].sum(1) + out["completion_mask"].sum(1)
             append(self, "local_kept_tokens", int(lengths[out["dppo_keep"]].sum()))
+            # kept rows here that another rank generated (moved by the rank balancing)
+            origin = out["dppo_origin_rank"][out["dppo_keep"]]
+            append(self, "foreign_kept", int((origin != self.accelerator.process_index).sum()))
+            if self.record_reference_passes:
+                append(self, "reference_passes", {k: out[k].detach().clone() for k in PASS_KEYS})
         return out
 
     def _decide_keep(self, scores, batch):
@@ -107,6 +121,33 @@ def forward_passes(calls) -> list:
     return [[*key, len(list(group))] for key, group in itertools.groupby(calls, key=lambda call: call[:4])]
 
 
+@torch.no_grad()
+def reference_pass_errors(trainer, passes) -> dict:
+    """The reference log-probs DPPO's deferred passes gave this rank's kept rows of each training batch
+    (``passes``) against TRL's padded pass over the rank's whole batch: per batch, the largest difference over the
+    kept rows' completion tokens (``padded``); and, to show what this can tell, the same for TRL's pass one column
+    wider, as a row moved to a rank of wider rows is padded (``wider``). Each is replayed in the run's order from
+    the reference model's first state: a dynamic rotary keeps the longest position it has seen (transformers'
+    ``dynamic_rope_update``) until a call shorter than its original context (here, of one position) resets it."""
+    from trl import GRPOTrainer
+
+    model, errors = trainer.ref_model, {}
+    for name, extra in (("padded", 0), ("wider", 1)):
+        model(input_ids=passes[0]["prompt_ids"][:1, :1])  # the rotary's first state
+        errors[name] = []
+        for batch in passes:
+            ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+            mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+            pad = torch.full_like(ids[:, :extra], trainer.processing_class.pad_token_id)
+            ids, mask = torch.cat([pad, ids], 1), torch.cat([torch.zeros_like(pad), mask], 1)
+            width, kept = batch["completion_ids"].size(1), batch["dppo_keep"]
+            logps = GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, model, ids, mask, width, batch_size=trainer.args.per_device_train_batch_size)[0]
+            difference = (logps - batch["ref_per_token_logps"])[kept][batch["completion_mask"][kept].bool()]
+            errors[name].append(float(difference.abs().max()) if difference.numel() else 0.0)
+    return errors
+
+
 def fsdp_units(model) -> list[str]:
     """The modules that are FSDP2 units (``fully_shard`` applied), by name ('' for the root)."""
     from torch.distributed.fsdp import FSDPModule
@@ -131,8 +172,13 @@ def main(argv):
     parser.add_argument("--no-prefix-sharing", action="store_true")
     parser.add_argument("--top-entropy-quantile", type=float, default=1.0)
     parser.add_argument("--no-speed-check", action="store_true")
+    parser.add_argument("--reference-passes", action="store_true")
+    parser.add_argument("--float64", action="store_true")
     a = parser.parse_args(argv)
+    if a.float64:
+        use_float64_kernels()
     Worker.perturb_rank = a.perturb_rank
+    Worker.record_reference_passes = a.reference_passes
     Worker.RANK_BALANCE_TOLERANCE = a.tolerance
     sharding = {}
     if a.fsdp:
@@ -161,6 +207,7 @@ def main(argv):
         top_entropy_quantile=a.top_entropy_quantile,
         speed_check=not a.no_speed_check,
         **sharding,
+        **(float64_settings() if a.float64 else {}),
         **({} if a.audit_sketch is None else
            dict(audit_every=1, audit_sketch_dim=a.audit_sketch, audit_exact_params=0, max_grad_norm=0.0)),
     )
@@ -188,6 +235,8 @@ def main(argv):
     params = full_parameters(trainer.model)
     torch.save(params, Path(a.out_dir, f"params{rank}.pt"))
     logs = [h for t in trainers for h in t.state.log_history if "dppo/rank_imbalance" in h]
+    calls = list(calls)  # the run's calls, not the reference passes' below
+    passes = [p for t in trainers for p in t.__dict__.get("reference_passes", [])]
     record = {
         "world": trainer.accelerator.num_processes,
         "steps": trainer.state.global_step,
@@ -201,6 +250,9 @@ def main(argv):
         "own_q": [q for t in trainers for q in t.__dict__.get("own_q", [])],
         "local_kept": [k for t in trainers for k in t.local_kept],
         "local_kept_tokens": [k for t in trainers for k in t.local_kept_tokens],
+        "foreign_kept": [k for t in trainers for k in t.foreign_kept],
+        "packing": trainer.args.packing,
+        "reference_pass_errors": reference_pass_errors(trainer, passes) if passes else None,
         "prompts": [p for t in trainers for p in t.prompts_seen],
         "rank_imbalance": [h["dppo/rank_imbalance"] for h in logs],
         "rank_imbalance_before": [h["dppo/rank_imbalance_before"] for h in logs],

@@ -1,7 +1,8 @@
 """Two processes on CPU (torchrun, gloo): DPPO with pruning and packing finishes without hanging, every rank
 draws the same global masks, both ranks end with the same parameters (also when a rank keeps nothing), rows
 moved between ranks to balance them train exactly as they would have where they were, and a run killed and
-resumed with prompt pruning on ends where an uninterrupted one does. In every run both ranks make the same
+resumed with prompt pruning on ends where an uninterrupted one does, and with a length-dependent rotary no row
+leaves its rank and the passes are TRL's padded ones. In every run both ranks make the same
 forward calls, pass by pass (what a sharded model, which gathers its parameters in every forward, needs), and
 no log-prob call is larger than GRPOTrainer's. Under FSDP2 (both models sharded) DPPO finishes, also with a
 rank that keeps nothing, and ends where DDP does."""
@@ -12,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from support.configs import cpu_config
+from support.models import save_tiny_rope
 from support.processes import run_two_processes
 from support.rewards import random_reward
 
+from dppo_trl import DPPOTrainer
 from dppo_trl.hooks.generation_batch import GenerationBatch
 
 pytestmark = pytest.mark.subprocess  # torchrun
@@ -62,8 +65,6 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sam
         assert any(0 in pair for pair in zip(ranks[0]["local_kept"], ranks[1]["local_kept"]))
     # Oracle: one process holding the same global batch (twice the rows per device) draws the same mask and
     # logs the same pruning metrics.
-    from dppo_trl import DPPOTrainer
-
     args = cpu_config(tmp_path / "single", per_device_train_batch_size=16, beta=0.05, steps_per_generation=2,
                       gradient_accumulation_steps=2, num_iterations=2, completion_keep_rate=rate,
                       prune_sampling=sampling)
@@ -110,6 +111,26 @@ def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_
         assert all(a <= 1.1 for a in after) and balanced[0]["local_kept"] != unbalanced[0]["local_kept"]
     for name, p in reference.items():
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_length_dependent_rotary_keeps_rows_on_their_rank_and_runs_trls_padded_passes(tmp_path):
+    """A dynamic NTK rotary (its frequencies follow a call's longest position, as Phi-3's longrope does) with
+    pruning and packing asked for, in float64. Packing is off on both ranks, and no kept row leaves its rank
+    although the ranks' loads differ enough that rows would move (by more than RANK_BALANCE_TOLERANCE); so each
+    deferred pass runs at the rank's own padded width, and the kept rows' reference log-probs are TRL's padded
+    pass over the rank's batch to float64 rounding, the oracle of the single-process test
+    (tests/test_packing_models.py). The same pass one column wider, as a row moved to a wider rank is padded,
+    differs by over 1e-9: the comparison can tell."""
+    model_dir = save_tiny_rope(tmp_path / "model", "dynamic")
+    ranks, _ = torchrun(tmp_path, model_dir, "systematic", 0.5, 4, "--reference-passes", "--float64")
+    assert max(ranks[0]["rank_imbalance_before"]) > 1 + DPPOTrainer.RANK_BALANCE_TOLERANCE  # rows would move
+    for rank in ranks:
+        assert rank["packing"] is False
+        assert len(rank["foreign_kept"]) == 2 and not any(rank["foreign_kept"])
+        assert rank["rank_imbalance"] == rank["rank_imbalance_before"]
+        errors = rank["reference_pass_errors"]
+        assert len(errors["padded"]) == 2 and max(errors["padded"]) <= 1e-12, errors
+        assert min(errors["wider"]) > 1e-9, errors
 
 
 @pytest.mark.slow
