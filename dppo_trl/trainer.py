@@ -25,7 +25,8 @@ DPPO's decisions from the hook that makes them to the passes that use them.
   check (``speed_check``): GRPO's passes timed once beside DPPO's, what the run saved in ``log``'s last call and the
   summary line (``hooks.summary``).
 - ``train``: refuses an ``output_dir`` holding a user's files that a save would overwrite or delete
-  (``dppo_trl.output_dir``); ``save_model``, ``_save_checkpoint`` and ``log`` (``completions/``) record what the run wrote there.
+  (``dppo_trl.output_dir``); ``save_model``, ``_save_checkpoint`` and ``log`` (``completions/``) record what the
+  run wrote there.
 - Checkpoints: DPPO's state in one file (``hooks.checkpoint``); the model card names DPPO, and the completions
   table carries each row's keep decision and weight (``hooks.model_card``).
 
