@@ -21,7 +21,6 @@ from trl import GRPOConfig, GRPOTrainer
 from dppo_trl import DPPOTrainer
 from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES, horvitz_thompson_weights
 from dppo_trl.core.pruning import keep_probabilities
-from dppo_trl.tasks.toy import build_tokenizer
 from dppo_trl.core.prompts import (
     CutInputs,
     PromptHistory,
@@ -34,6 +33,7 @@ from dppo_trl.core.prompts import (
     register_prompt_score,
     spread_groups,
 )
+from dppo_trl.tasks.toy import build_tokenizer
 
 
 def fixed_size_outcomes(pi, size, min_width=1e-15):
@@ -485,7 +485,8 @@ def test_the_probe_is_refused_with_tools_and_a_rollout_function(tmp_path, tiny_m
         """
         return x
 
-    for extra in (dict(tools=[tool], processing_class=tool_tokenizer()), dict(rollout_func=lambda prompts, trainer: {})):
+    for extra in (dict(tools=[tool], processing_class=tool_tokenizer()),
+                  dict(rollout_func=lambda prompts, trainer: {})):
         with pytest.raises(ValueError, match="prompt_probe_generations"):
             DPPOTrainer(tiny_model_dir, coarse_reward, args=prompt_config(tmp_path), train_dataset=small_dataset,
                         **extra)
