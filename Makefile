@@ -93,7 +93,8 @@ demo-real: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(VENV)/bin/dppo-trl --config smollm2-chain-sum-lora \
 		--model_name_or_path "$$(HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2)"
 
-# End-to-end: GRPO vs DPPO vs the biased baselines, keep-rate sweeps, table + JSON + plots (~20 min here).
+# End-to-end: GRPO vs DPPO vs the biased baselines, keep-rate sweeps, table + JSON + plots (~20 min here); a seed's
+# methods take their steps in turns (dppo_trl.interleave), each in a process of its own.
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --plots docs/images
 
@@ -104,29 +105,33 @@ bench-train: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_train.py
 
 # The users' regime: countdown task (long-tailed chains, many zero-variance groups), TRL's defaults (dapo, beta 0,
-# G=8, steps_per_generation > gradient_accumulation_steps), same epochs for every method, 2 seeds (~40 min here).
+# G=8, steps_per_generation > gradient_accumulation_steps), same epochs for every method, 2 seeds (~40 min here),
+# a seed's methods in turns.
 bench-reasoning: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_reasoning.py --plots docs/images
 
 # The real model: SmolLM2-135M-Instruct + LoRA on reasoning-gym's chain_sum, GRPO vs DPPO vs DPPO + prompt pruning,
-# 40 steps over 32 prompts (5 epochs), 2 seeds, time to GRPO's final reward with standard errors (58 min here;
-# 2 threads: run nothing else beside it).
+# 40 steps over 32 prompts (5 epochs), 2 seeds, time to GRPO's final reward with standard errors (58 min here,
+# recorded one after the other); a seed's methods take their steps in turns, each in a process of its own.
 bench-real: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --plots docs/images
 
-# Time per step by phase, GRPO vs DPPO, 8-step paired runs on an idle machine (2 threads), for TRL's default loss
-# (dapo: also DPPO + prompt pruning, and DPPO with every other batch audited, whose logged step ratio is checked
-# against the paired runs'), grpo, dr_grpo and GSPO (about 30 min here).
-PHASE_RUN = HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py --steps 8 --seeds 0 --eval-every 1000 --heldout 16
+# Time per step by phase, GRPO vs DPPO, 8-step paired runs taken in turns (one step each, in processes of their own:
+# a load that changes falls on both), one thread, for TRL's default loss (dapo: also DPPO with every other batch
+# audited, whose logged step ratio is checked against the paired runs'), grpo, dr_grpo and GSPO (about 40 min here).
+PHASE_RUN = HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_real.py --steps 8 --seeds 0 --eval-every 1000 \
+	--heldout 16 --threads 1 --warmup 0
 bench-real-phases: $(STAMP) smollm2
-	$(PHASE_RUN) --methods grpo dppo dppo+prompt dppo+audit --json benchmarks/results/bench_real_phases_dapo.json
+	$(PHASE_RUN) --methods grpo dppo dppo+audit --json benchmarks/results/bench_real_phases_dapo.json
 	for v in grpo dr_grpo gspo; do \
 		$(PHASE_RUN) --variant $$v --methods grpo dppo --json benchmarks/results/bench_real_phases_$$v.json || exit 1; done
 
 # Prefix sharing (issue 32): when it pays on one group (prompt x completion length x kept completions, a model of
-# SmolLM2's layer shapes, about 10 min), then DPPO with and without it against GRPO, 8-step paired runs, 2 seeds,
-# with transformers and with vLLM generating (about 40 min here; an idle machine).
-PREFIX_RUN = --steps 8 --seeds 0 1 --eval-every 1000 --heldout 16 --methods grpo dppo dppo+repeated
+# SmolLM2's layer shapes, about 10 min), then DPPO with and without it against GRPO, 8-step paired runs taken in
+# turns, 2 seeds, one thread, with transformers and with vLLM generating (about 50 min here; in turns the three vLLM
+# runs of a seed hold an engine each at once).
+PREFIX_RUN = --steps 8 --seeds 0 1 --eval-every 1000 --heldout 16 --threads 1 --warmup 0 \
+	--methods grpo dppo dppo+repeated
 bench-prefix: $(STAMP) $(VLLM_STAMP) smollm2
 	$(PY) benchmarks/bench_prefix.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_real.py $(PREFIX_RUN) --json benchmarks/results/bench_real_prefix.json
@@ -140,7 +145,8 @@ bench-prefix: $(STAMP) $(VLLM_STAMP) smollm2
 bench-entropy-filter: $(STAMP) smollm2
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_entropy_filter.py
 
-# Learning per step: seeds side by side, one thread each, records kept per seed (benchmarks/learning.sh:
+# Learning per step: seeds side by side, a seed's methods one after the other (learning per step does not depend on
+# the machine; their time figures are labelled so), one thread each, records kept per seed (benchmarks/learning.sh:
 # GRPO, DPPO, DPPO + prompt pruning with each prompt score), then the summary with the projection; with vLLM
 # generating (GRPO, DPPO, DPPO + prompt pruning, one seed at a time); GSPO over 3 seeds.
 LEARNING_SEEDS ?= 0 1 2 3 4 5
@@ -150,7 +156,8 @@ bench-real-learning: $(STAMP) $(VLLM_STAMP) smollm2
 	ENGINE=vllm bash benchmarks/learning.sh $(LEARNING_SEEDS)
 	VARIANT=gspo METHODS="grpo dppo" bash benchmarks/learning.sh 0 1 2
 
-# The same with vLLM generating (colocated, in the vLLM lane's venv): GRPO vs DPPO vs DPPO + prompt pruning.
+# The same with vLLM generating (colocated, in the vLLM lane's venv): GRPO vs DPPO vs DPPO + prompt pruning, in turns
+# (the three runs of a seed hold an engine each at once).
 bench-real-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
 	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm --json benchmarks/results/bench_real_vllm.json \

@@ -28,6 +28,7 @@ score, per seed, as a ratio to GRPO's; and time per step by phase, from short pa
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import statistics
@@ -227,7 +228,8 @@ def main(argv=None):
     parser.add_argument("--task-seed", type=int, default=0, help="generator seed of the training set (+1: held out)")
     parser.add_argument("--train-prompts", type=int, default=32, help="prompt set size (steps x prompts / it epochs)")
     parser.add_argument("--heldout", type=int, default=128, help="held-out prompts, one sampled completion each")
-    parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step (x 8 completions)")
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step")
+    parser.add_argument("--generations", type=int, default=8, help="completions per prompt (num_generations)")
     parser.add_argument("--max-completion-length", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--eval-every", type=int, default=20, help="optimizer steps between held-out evaluations")
@@ -264,6 +266,7 @@ def main(argv=None):
         task=args.task, answer_format=args.answer_format, task_seed=args.task_seed, train_prompts=args.train_prompts,
         heldout=args.heldout, eval_every=args.eval_every, steps=args.steps, prompts_per_step=args.prompts_per_step,
         max_completion_length=args.max_completion_length, learning_rate=args.learning_rate, vllm=args.vllm,
+        generations=args.generations,
     )
     setup["trainer_args"].update(VARIANTS[args.variant])
     in_turns = not args.one_after_the_other
@@ -440,6 +443,7 @@ def report(args, runs, trainer_args, elapsed, runs_file):
                    if k not in ("from_runs", "phases_of", "generation_of", "resume", "one_after_the_other")},
         # How the runs' times were taken (harness.training.TIMING_*): every time figure below was taken so.
         "timing": timing_of(runs),
+        "date": datetime.date.today().isoformat(),
         "seeds": sorted({r["seed"] for r in runs}),
         "trainer_args": trainer_args,
         "lora": LORA,

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from harness import (  # noqa: E402
     PHASES,
     TARGET_COLUMNS,
+    TIMING_IN_TURNS,
     Panel,
     cost_figures,
     countdown_setup,
@@ -163,6 +164,8 @@ def main(argv=None):
     parser.add_argument("--steps-per-generation", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--max-completion-length", type=int, default=None,
+                        help="default: the longest correct chain's tokens (a shorter one truncates the long chains)")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--model-cache", default="outputs/bench-reasoning")
@@ -182,7 +185,7 @@ def main(argv=None):
         eval_every=args.eval_every, epochs=args.epochs, batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, steps_per_generation=args.steps_per_generation,
         learning_rate=args.learning_rate, sft_steps=args.sft_steps, hidden_size=args.hidden_size, layers=args.layers,
-        model_cache=args.model_cache,
+        model_cache=args.model_cache, max_completion_length=args.max_completion_length,
     )
     runs = run_methods({name: METHODS[name] for name in args.methods}, args.seeds, setup, started=started,
                        in_turns=True, threads=1, warmup=args.warmup)

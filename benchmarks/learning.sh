@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Learning per step on the real model (issue 31): bench_real's seeds side by side, one torch thread each (the
-# steps to the target do not depend on the machine), each seed's per-step records kept under
+# Learning per step on the real model (issue 31): bench_real's seeds side by side, one torch thread each, a seed's
+# methods one after the other (--one-after-the-other: the steps to the target do not depend on the machine; the
+# summary labels its time figures so, and the projection takes the time per step from paired runs taken in turns),
+# each seed's per-step records kept under
 # benchmarks/results/learning/ (a seed already recorded is not run again), then one summary over every recorded
 # seed with the projection from paired per-phase runs: for TRL's default loss, make bench-prefix's (prefix sharing on,
 # the default), for the other losses make bench-real-phases' (recorded before it).
@@ -36,7 +38,7 @@ else phases=benchmarks/results/bench_real_phases${engine_tag}_$VARIANT.json; fi
 generation=benchmarks/results/bench_cut_generation$engine_tag.json  # the cut's generation, timed call for call
 run_seed() {  # a port of its own: colocated vLLM and the CPU process group would both take 29500
     MASTER_PORT=$((29600 + $1)) HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 "$PY" benchmarks/bench_real.py --seeds "$1" \
-        --threads 1 --eval-every 4 --resume "${engine_flag[@]}" --variant "$VARIANT" --methods $METHODS \
+        --threads 1 --eval-every 4 --resume --one-after-the-other "${engine_flag[@]}" --variant "$VARIANT" --methods $METHODS \
         --json "$DIR/${tag}_seed$1.json" > "$DIR/${tag}_seed$1.log" 2>&1
 }
 seeds=("$@")

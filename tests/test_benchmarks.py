@@ -187,6 +187,7 @@ def test_bench_reasoning_runs_every_method_over_the_same_epochs(tmp_path, capsys
     out = tmp_path / "reasoning.json"
     rows = bench_reasoning.main(["--seeds", "0", "--epochs", "2", "--train-prompts", "16", "--heldout", "4",
                                  "--eval-every", "0.5", "--sft-steps", "20", "--hidden-size", "32", "--layers", "1",
+                                 "--max-completion-length", "24",
                                  "--batch-size", "16", "--window", "2",
                                  "--warmup", "0", "--model-cache", str(tmp_path / "model"), "--json", str(out),
                                  "--plots", str(tmp_path / "plots")])
@@ -229,13 +230,26 @@ import bench_real  # noqa: E402
 @pytest.mark.real_model
 def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_path, capsys):
     out = tmp_path / "real.json"
-    argv = ["--seeds", "0", "--steps", "3", "--methods", "grpo", "dppo+prompt", "dppo", "dppo+repeated", "--warmup",
-            "0", "--heldout", "4",
+    argv = ["--seeds", "0", "--steps", "2", "--methods", "grpo", "dppo+prompt", "dppo", "dppo+repeated", "--warmup",
+            "0", "--heldout", "4", "--threads", "1", "--generations", "4",
             "--train-prompts", "2", "--prompts-per-step", "1", "--max-completion-length", "4", "--eval-every", "2",
             "--window", "2", "--json", str(out)]
     rows = bench_real.main(argv)
     saved = json.loads(out.read_text())
     assert [r["method"] for r in saved["results"]] == ["grpo", "dppo+prompt", "dppo", "dppo+repeated"]
+    # The methods took turns: each in a process of its own, one optimizer step at a time, their turns never
+    # overlapping; the first four turns went to four methods (one after the other, they would all be GRPO's).
+    records = json.loads((tmp_path / "real_runs.json").read_text())["runs"]
+    assert saved["timing"] == "in turns" and {run["timing"] for run in records} == {"in turns"}
+    turns = sorted((start, end, run["method"]) for run in records for start, end in run["turns"])
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(turns, turns[1:]))
+    assert len({method for *_, method in turns[:4]}) == 4 and all(len(run["turns"]) == 2 for run in records)
+    # Each method's clock counts its own turns only: its last step's wall is the sum of its turns, give or take
+    # the evaluation it leaves out.
+    for run in records:
+        assert run["steps"][-1]["wall"] <= sum(end - start for start, end in run["turns"]) + 1e-6
+    # One figure per quantity: the time per step by phase, under the name that says how it was taken.
+    assert all("phase_ratios" in r and "generation_ratio" not in r for r in saved["results"])
     grpo, pruned = saved["results"][:2]
     sharing = saved["prefix_sharing"]  # DPPO with prefix sharing (the default) over DPPO without it, paired
     assert sharing["seeds"] == [0] and 0 <= sharing["prefix_tokens_saved"] < 1  # 0 where a batch kept nothing
@@ -245,7 +259,6 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
     assert pruned["kept_fraction"] <= 1.0 and "time_to_target_ratio" in pruned
     assert {"rise", "rise_se", "heldout_rise", "heldout_rise_se"} <= set(saved["grpo_rise"])
     assert "GRPO's curve:" in capsys.readouterr().out
-    records = json.loads((tmp_path / "real_runs.json").read_text())["runs"]
     per_step = {run["method"]: run["generations"] for run in records}
     for method, generations in per_step.items():  # each group's prompt, mean reward, prompt weight and rewards
         for generation in generations:
@@ -258,6 +271,16 @@ def test_bench_real_runs_on_the_real_model_and_summarizes_its_saved_runs(tmp_pat
         [*argv, "--from-runs", str(tmp_path / "real_runs.json"), "--json", str(tmp_path / "b.json")]
     )
     assert [r["time_to_target_ratio"] for r in again] == [r["time_to_target_ratio"] for r in rows]
+    # Runs taken one after the other (records without "timing", from before the turns): their time figures are
+    # labelled so, and the summary says it.
+    older = tmp_path / "older_runs.json"
+    older.write_text(json.dumps({**json.loads((tmp_path / "real_runs.json").read_text()),
+                                 "runs": [{k: v for k, v in run.items() if k != "timing"} for run in records]}))
+    bench_real.main([*argv, "--from-runs", str(older), "--json", str(tmp_path / "c.json")])
+    labelled = json.loads((tmp_path / "c.json").read_text())
+    assert labelled["timing"] == "one after the other"
+    for row, turned in zip(labelled["results"], saved["results"]):
+        assert "phase_ratios" not in row and row["phase_ratios_one_after_the_other"] == turned["phase_ratios"]
 
 
 import bench_prefix  # noqa: E402

@@ -66,11 +66,12 @@ def countdown_accuracy(model, tokenizer, starts, samples, seed=1234):
 
 def countdown_setup(*, train_prompts, heldout, eval_samples, eval_every, epochs, batch_size,
                     gradient_accumulation_steps, steps_per_generation, learning_rate, sft_steps, hidden_size, layers,
-                    model_cache) -> dict:
+                    model_cache, max_completion_length=None) -> dict:
     """The countdown task (``dppo_trl.tasks.countdown``) from a tiny Qwen2 of ``hidden_size`` x ``layers`` warm-started
     with ``sft_steps`` supervised steps (cached under ``model_cache``), TRL's defaults where they matter
     (``loss_type="dapo"``, ``beta=0``, 8 generations), ``epochs`` over ``train_prompts`` prompts, the held-out
-    accuracy (``countdown_accuracy`` on ``heldout`` draws) every ``eval_every`` epochs of data progress."""
+    accuracy (``countdown_accuracy`` on ``heldout`` draws) every ``eval_every`` epochs of data progress; completions
+    of at most ``max_completion_length`` tokens (default: the longest correct chain's, ``max_completion_tokens``)."""
     from dppo_trl.tasks.countdown import (
         countdown_dataset,
         countdown_reward,
@@ -108,7 +109,7 @@ def countdown_setup(*, train_prompts, heldout, eval_samples, eval_every, epochs,
             gradient_accumulation_steps=gradient_accumulation_steps,
             steps_per_generation=steps_per_generation,
             num_generations=8,
-            max_completion_length=max_completion_tokens(),
+            max_completion_length=max_completion_length or max_completion_tokens(),
             temperature=1.0,
             loss_type="dapo",
             beta=0.0,
@@ -151,12 +152,13 @@ def vllm_on_cpu() -> dict:
 
 
 def reasoning_gym_setup(*, task, answer_format, task_seed, train_prompts, heldout, eval_every, steps,
-                        prompts_per_step, max_completion_length, learning_rate, vllm, lora_dropout=None) -> dict:
+                        prompts_per_step, max_completion_length, learning_rate, vllm, lora_dropout=None,
+                        generations=8) -> dict:
     """SmolLM2-135M-Instruct (``dppo-trl-smollm2``) with LoRA (``LORA``, and ``lora_dropout`` where given) on the
     reasoning-gym ``task``: ``train_prompts`` prompts from generator seed ``task_seed``, ``prompts_per_step``
-    prompts x 8 completions per optimizer step, ``dapo``, ``beta=0``, ``steps`` steps; the sampled held-out score
-    (``reasoning_gym_score`` on ``heldout`` prompts of seed ``task_seed + 1``) every ``eval_every`` steps; vLLM
-    colocated generating with ``vllm``."""
+    prompts x ``generations`` completions per optimizer step, ``dapo``, ``beta=0``, ``steps`` steps; the sampled
+    held-out score (``reasoning_gym_score`` on ``heldout`` prompts of seed ``task_seed + 1``) every ``eval_every``
+    steps; vLLM colocated generating with ``vllm``."""
     from peft import LoraConfig
 
     from dppo_trl.smollm2 import ensure
@@ -177,8 +179,8 @@ def reasoning_gym_setup(*, task, answer_format, task_seed, train_prompts, heldou
         "trainer_args": dict(
             bf16=False,
             use_cpu=True,
-            per_device_train_batch_size=prompts_per_step * 8,
-            num_generations=8,
+            per_device_train_batch_size=prompts_per_step * generations,
+            num_generations=generations,
             max_completion_length=max_completion_length,
             temperature=1.0,
             loss_type="dapo",

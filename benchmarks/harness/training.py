@@ -351,13 +351,22 @@ def run_methods(methods, seeds, setup, runs=None, started=None, label="", note=N
 def turn_job(turns, name, settings, seed, setup, threads=None, warmup=0):
     """One method's run as a job of ``dppo_trl.interleave.run_in_turns``, in a process of its own: ``threads``
     torch threads, the vLLM shim where the setup generates with vLLM, ``warmup`` untimed runs of two steps of the
-    same settings (first-call costs), all off the clock; then the run, its optimizer steps in turns."""
+    same settings (first-call costs), all off the clock; then the run, its optimizer steps in turns, and the spans of
+    its turns (``turns``: one clock for every process)."""
     if threads:
         torch.set_num_threads(threads)
     if setup["trainer_args"].get("use_vllm"):
+        import os
+        import socket
+
         from .setups import vllm_on_cpu
 
         vllm_on_cpu()  # the CPU shim is applied per process
+        with socket.socket() as free:  # a colocated engine's process group: a port of its own beside the others'
+            free.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(free.getsockname()[1])
     if warmup:
         warm_up(setup, settings, warmup, evaluate=None)
-    return run_one(name, settings, seed, setup, turns=turns)
+    run = run_one(name, settings, seed, setup, turns=turns)
+    run["turns"] = [list(span) for span in turns.spans]  # (start, end) of each turn on its clock, time.monotonic()
+    return run
