@@ -253,7 +253,7 @@ def real_setup(a) -> dict:
     return reasoning_gym_setup(
         task="chain_sum", answer_format="last_number", task_seed=0, train_prompts=32, heldout=1, eval_every=10**6,
         steps=a.steps, prompts_per_step=a.prompts_per_step, max_completion_length=a.max_completion_length,
-        learning_rate=2e-4, vllm=False, lora_dropout=LORA_DROPOUT,
+        learning_rate=2e-4, vllm=False, lora_dropout=LORA_DROPOUT, generations=a.generations,
     )
 
 
@@ -292,7 +292,8 @@ def main(argv=None):
                         help="DESIGN@KEEP_RATE of each run")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step (x 8 completions)")
+    parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per optimizer step")
+    parser.add_argument("--generations", type=int, default=8, help="completions per prompt (the real model's task)")
     parser.add_argument("--max-completion-length", type=int, default=16)
     parser.add_argument("--task", default="chain_sum", choices=["chain_sum", "countdown", "alarm"],
                         help="chain_sum: bench_real's real model; countdown: bench_reasoning's warm-started tiny "

@@ -396,6 +396,7 @@ def audit_check(runs, rows):
         "audit_step_time_ratio": logged,
         "audit_generation_share": statistics.median(v for r in audited for v in r["audit_times"]["generation_share"]),
         "paired_step_time_ratio": measured,
+        "paired_step_time_ratio_se": phase_ratios_of(dppo)["step"][1],
         "relative_difference": logged / measured - 1,
         "tolerance": AUDIT_TOLERANCE,
         "within_tolerance": abs(logged / measured - 1) <= AUDIT_TOLERANCE,

@@ -921,7 +921,20 @@ def prefix_rule_misses(results: dict) -> str:
                      f" ({'shared' if r['shared_by_default'] else 'apart'} by default)" for r in misses) or "none"
 
 
+def audit_verdict(results: dict) -> str:
+    """The audit's step ratio against the paired runs' (bench_real_phases_dapo's ``audit_check``): whether it lies
+    within the check's tolerance, and the difference in standard errors of the paired ratio where it has one."""
+    check = results["bench_real_phases_dapo"]["audit_check"]
+    text = f"{'within' if check['within_tolerance'] else 'outside'} the {check['tolerance']:.0%} the check asks for"
+    se = check.get("paired_step_time_ratio_se")
+    if se:
+        difference = check["audit_step_time_ratio"] - check["paired_step_time_ratio"]
+        text += f"; the difference, {difference:+.3f}, is {abs(difference) / se:.1f} standard errors of the paired ratio"
+    return text
+
+
 SPANS = {  # inline values that are not one field: name [arguments] -> function of every results file
+    "audit_verdict": audit_verdict,
     "e2e_grpo_shares": lambda R: e2e_grpo_shares(R["bench_e2e"]),
     "grpo_gamma_gain": lambda R: format(
         efficiency(R, f"grpo/{DEFAULT_DESIGN}+g-0.5@0.5") / efficiency(R, f"grpo/{DEFAULT_DESIGN}@0.5") - 1, "+.0%"),
