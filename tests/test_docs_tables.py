@@ -188,3 +188,15 @@ def test_the_docs_quote_the_demo_models_parameter_count():
     count = f"{sum(p.numel() for p in model.parameters()):,}"
     for doc in DOCS:
         assert count in doc.read_text() and "0.5M" not in doc.read_text(), doc
+
+
+def test_the_audit_verdict_says_whether_the_check_holds_and_by_how_many_standard_errors():
+    check = {"audit_step_time_ratio": 0.366, "paired_step_time_ratio": 0.45, "paired_step_time_ratio_se": 0.12,
+             "tolerance": 0.15, "within_tolerance": False}
+    verdict = render_docs.audit_verdict({"bench_real_phases_dapo": {"audit_check": check}})
+    assert verdict == ("outside the 15% the check asks for; the difference, -0.084, is 0.7 standard errors of the "
+                       "paired ratio")
+    older = dict(check, within_tolerance=True)
+    del older["paired_step_time_ratio_se"]  # records from before the SE was kept
+    assert render_docs.audit_verdict({"bench_real_phases_dapo": {"audit_check": older}}) == (
+        "within the 15% the check asks for")
