@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,12 +21,14 @@ pytestmark = pytest.mark.real_model  # SmolLM2-135M-Instruct (`make smollm2`)
 SYSTEM_PROMPT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"  # the chat template's own
 
 
-@pytest.fixture(scope="module")
+# Session-scoped (cheap; built once in each pytest-xdist worker): only the tests of a run shared in this module
+# (``first_steps``) need to run in one worker (tests/conftest.py).
+@pytest.fixture(scope="session")
 def smollm2_dir():
     return str(ensure())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def chain_sum():
     return reasoning_gym_dataset("chain_sum", size=16, seed=0, answer_format="last_number", min_terms=2,
                                  max_terms=2, min_digits=1, max_digits=2)
@@ -64,13 +67,38 @@ def first_step(trainer_cls, args, model_dir, data):
     return before, lora_state(trainer), list(SEEN), trainer
 
 
+# The first steps' completions: up to 12 tokens (smollm2_config's), in which one of the first batch's 8 stops at eos
+# (after 3 tokens, the test of the chat template checks it).
+FIRST_STEP_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def first_steps(tmp_path_factory, smollm2_dir, chain_sum):
+    """``first_steps(loss_type)``: (GRPO's, DPPO's) ``first_step`` at keep 1.0 with packing, each pair run once for
+    the tests that read it."""
+    runs = {}
+
+    def kept(run):  # the trainer's tokenizer and arguments, not its model
+        *states, trainer = run
+        return *states, SimpleNamespace(processing_class=trainer.processing_class, args=trainer.args)
+
+    def pair(loss_type):
+        if loss_type not in runs:
+            tmp_path = tmp_path_factory.mktemp(f"first-step-{loss_type}")
+            settings = dict(loss_type=loss_type, max_completion_length=FIRST_STEP_TOKENS)
+            grpo = first_step(GRPOTrainer, config(GRPOConfig, tmp_path / "g", **settings), smollm2_dir, chain_sum)
+            dppo_args = config(DPPOConfig, tmp_path / "d", completion_keep_rate=1.0, packing=True, **settings)
+            runs[loss_type] = kept(grpo), kept(first_step(DPPOTrainer, dppo_args, smollm2_dir, chain_sum))
+        return runs[loss_type]
+
+    return pair
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_first_lora_step_equals_grpos_with_keep_one_and_packing(tmp_path, smollm2_dir, chain_sum, loss_type):
+def test_first_lora_step_equals_grpos_with_keep_one_and_packing(first_steps, loss_type):
     """SGD: an update is the learning rate times the gradient, so equal updates are equal gradients."""
-    grpo = first_step(GRPOTrainer, config(GRPOConfig, tmp_path / "g", loss_type=loss_type), smollm2_dir, chain_sum)
-    dppo_args = config(DPPOConfig, tmp_path / "d", loss_type=loss_type, completion_keep_rate=1.0, packing=True)
-    dppo = first_step(DPPOTrainer, dppo_args, smollm2_dir, chain_sum)
+    grpo, dppo = first_steps(loss_type)
     assert dppo[2][0]["completion_ids"] == grpo[2][0]["completion_ids"]  # the same samples
     for name, value in grpo[0].items():
         assert torch.equal(dppo[0][name], value)  # the same start
@@ -81,13 +109,12 @@ def test_first_lora_step_equals_grpos_with_keep_one_and_packing(tmp_path, smollm
 
 
 @pytest.mark.slow
-def test_conversational_prompts_go_through_the_chat_template_and_completions_end_at_eos(
-    tmp_path, smollm2_dir, chain_sum
-):
+def test_conversational_prompts_go_through_the_chat_template_and_completions_end_at_eos(first_steps):
     """pad == eos (id 2) on this model: a completion that stops at eos keeps its eos token in the loss mask (the
-    masks, not the token ids, say what is padding) and packed training still equals GRPO's (the test above)."""
-    *_, seen, trainer = first_step(DPPOTrainer, config(DPPOConfig, tmp_path, completion_keep_rate=1.0,
-                                                        max_completion_length=24), smollm2_dir, chain_sum)
+    masks, not the token ids, say what is padding) and packed training still equals GRPO's (the test above: this
+    is its DPPO run at TRL's default loss, dapo)."""
+    _, (*_, seen, trainer) = first_steps("dapo")
+    assert trainer.args.loss_type == "dapo" and trainer.args.max_completion_length == FIRST_STEP_TOKENS
     tokenizer = trainer.processing_class
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2
     prompt = seen[0]["prompts"][0]
@@ -97,7 +124,7 @@ def test_conversational_prompts_go_through_the_chat_template_and_completions_end
     completions = seen[0]["completions"]
     assert all(c[0]["role"] == "assistant" for c in completions)
     ended = [ids for ids in seen[0]["completion_ids"] if ids and ids[-1] == tokenizer.eos_token_id]
-    assert ended, "no completion stopped at eos in 24 tokens"
+    assert ended, f"no completion stopped at eos in {FIRST_STEP_TOKENS} tokens"
 
 
 def test_packed_logprobs_equal_padded_at_float32_with_an_eos_ended_completion(tmp_path, smollm2_dir, chain_sum):

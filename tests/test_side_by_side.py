@@ -27,11 +27,31 @@ def test_the_summary_compares_each_run_with_grpo():
     assert "\n".join(lines[4:]) == side_by_side.TIMING  # how the times were taken
 
 
+# The shortened run's batch: 2 prompts x 4 completions of up to 8 tokens (the demo's: 4 prompts x 8 completions of
+# up to 16); everything else is the demo's own (``trainer_settings``).
+SHORT_BATCH = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8)
+
+
+def test_the_demos_settings_are_valid_for_both_trainers(tmp_path):
+    """The settings the shortened run below overrides are the demo's own, which both configs accept as they are."""
+    from trl import GRPOConfig
+
+    from dppo_trl import DPPOConfig
+
+    settings = side_by_side.trainer_settings(tmp_path, steps=8, seed=0)
+    assert all(settings[k] > v for k, v in SHORT_BATCH.items())  # the shortened run is a smaller batch
+    for config_cls, own in ((GRPOConfig, {}), (DPPOConfig, side_by_side.DPPO_ONLY)):
+        config = config_cls(**settings, **own)  # TRL's and DPPO's checks of the batch and the groups
+        assert {k: getattr(config, k) for k in SHORT_BATCH} == {k: settings[k] for k in SHORT_BATCH}
+
+
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_a_short_side_by_side_run_writes_its_table_plot_and_record(tmp_path, capsys):
+def test_a_short_side_by_side_run_writes_its_table_plot_and_record(tmp_path, capsys, monkeypatch):
     from dppo_trl.smollm2 import ensure
 
+    demo_settings = side_by_side.trainer_settings
+    monkeypatch.setattr(side_by_side, "trainer_settings", lambda *args: {**demo_settings(*args), **SHORT_BATCH})
     code = side_by_side.main(["--steps", "2", "--heldout", "4", "--output-dir", str(tmp_path),
                               "--model", str(ensure(quiet=True))])
     out = capsys.readouterr().out
@@ -40,6 +60,7 @@ def test_a_short_side_by_side_run_writes_its_table_plot_and_record(tmp_path, cap
     record = json.loads((tmp_path / "grpo_vs_dppo.json").read_text())
     assert [r["method"] for r in record["runs"]] == ["DPPO", "GRPO"]
     assert all(len(r["steps"]) == 2 for r in record["runs"])
+    assert {k: record["settings"][k] for k in SHORT_BATCH} == SHORT_BATCH  # what the two runs were given
     grpo_kept = [s["kept"] for s in record["runs"][1]["steps"]]
     assert grpo_kept == [1.0, 1.0]  # GRPO trains on every completion
     assert "in turns" in out and "in turns" in record["timing"]
