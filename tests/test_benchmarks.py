@@ -305,7 +305,8 @@ import bench_audit  # noqa: E402
 def test_bench_audit_reports_each_designs_audit_readings(tmp_path, capsys):
     out = tmp_path / "audit.json"
     rows = bench_audit.main(["--steps", "2", "--runs", "stratified@0.25", "topk@0.25", "--prompts-per-step", "1",
-                             "--generations", "4", "--max-completion-length", "4", "--json", str(out)])
+                             "--generations", "4", "--max-completion-length", "4", "--threads", "1",
+                             "--json", str(out)])
     saved = json.loads(out.read_text())
     assert [r["design"] for r in saved["rows"]] == ["stratified", "topk"] == [r["design"] for r in rows]
     for row, run in zip(saved["rows"], saved["runs"]):
