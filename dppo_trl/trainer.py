@@ -290,7 +290,7 @@ class DPPOTrainer(
             seconds = self._run_clock.seconds()
             logs = {**logs, "dppo/speed_run_seconds": seconds, **self._speed_metrics(seconds)}
         super().log(logs, start_time)
-        if self.log_completions and self.accelerator.is_main_process:
+        if self.args.log_completions and self.accelerator.is_main_process:
             self._record_outputs()
 
     def save_model(self, output_dir=None, _internal_call=False):

@@ -243,7 +243,7 @@ def main(argv):
         "masks": [m for t in trainers for m in t.masks],
         "own_masks": [m for t in trainers for m in t.own_masks],
         "prompt_decisions": [
-            [w.tolist(), float(n), cut.accepted.tolist()] for t in trainers
+            [w.tolist(), None if n is None else float(n), cut.accepted.tolist()] for t in trainers
             for w, n, cut in t.__dict__.get("prompt_decisions", [])
         ],
         "generated_groups": [g for t in trainers for g in t.__dict__.get("generated_groups", [])],
