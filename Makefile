@@ -54,11 +54,12 @@ constraints-vllm: $(VLLM_STAMP)
 smollm2: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2
 
-# Two pytest-xdist workers, a core and a thread each; --dist loadgroup: each test goes to the worker that is free,
-# except that the tests sharing a module's fixture (a torchrun of DeepSpeed's runs, a built wheel, a real-model run
-# read by several tests) run in one worker, which computes it once (tests/conftest.py groups them).
+# Two pytest-xdist workers, a core and a thread each. --dist loadfile: a test file goes whole to the worker that is
+# free, so that a module's shared fixture (a torchrun of DeepSpeed's runs, a built wheel, a real-model run read by
+# several tests) is computed once. (loadgroup's xdist_group marks do not group under pytest 9.2 with xdist 3.8.0:
+# pytest-dev/pytest-xdist#1386.)
 test: $(DEV_STAMP) smollm2
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests -n 2 --dist loadgroup --durations=25
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests -n 2 --dist loadfile --durations=25
 
 # The fast lane: the pure core and the tiny-model hooks, without the slow, multi-process and real-model tests.
 test-fast: $(DEV_STAMP)

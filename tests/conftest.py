@@ -9,29 +9,6 @@ import pytest  # noqa: E402
 from support import exact, models  # noqa: E402
 
 
-SHARED_SCOPES = ("module", "class", "package")
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks (it runs in each worker)
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs the suite in two pytest-xdist workers (``--dist loadgroup``), each test where a worker is
-    free, except for the tests that share a fixture of a module's (or class's, or package's) scope: those of one
-    module are marked ``xdist_group(<the module's path>)`` and run in one worker, so that the fixture (a torchrun of
-    DeepSpeed's runs, a built wheel, ...) is computed once. The session's fixtures (the tiny models) are built once in
-    each worker."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        shared = any(
-            definition.scope in SHARED_SCOPES
-            for name in info.names_closure
-            for definition in info.name2fixturedefs.get(name, ())
-        )
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 @pytest.fixture(autouse=True)
 def torch_threads_as_found():
     """torch's thread count after each test as before it: a benchmark's ``main`` called in-process sets it

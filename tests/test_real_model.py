@@ -21,14 +21,12 @@ pytestmark = pytest.mark.real_model  # SmolLM2-135M-Instruct (`make smollm2`)
 SYSTEM_PROMPT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"  # the chat template's own
 
 
-# Session-scoped (cheap; built once in each pytest-xdist worker): only the tests of a run shared in this module
-# (``first_steps``) need to run in one worker (tests/conftest.py).
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_dir():
     return str(ensure())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chain_sum():
     return reasoning_gym_dataset("chain_sum", size=16, seed=0, answer_format="last_number", min_terms=2,
                                  max_terms=2, min_digits=1, max_digits=2)
