@@ -30,9 +30,10 @@ SCENARIOS = {
     "dppo_keep_all": dict(trainer="dppo", max_steps=8, modes=MODES,
                           dppo=dict(completion_keep_rate=1.0, packing=True, audit_every=1)),
     # Batches 0-3 as above; batch 4 keeps nothing (a constant reward); batch 5 trains (steps 11 and 12). Its
-    # no-grad rows are counted: without the speed check, whose timed GRPO passes would add a batch's rows.
+    # no-grad rows are counted: without the speed check, whose timed GRPO passes would add a batch's rows. Its
+    # parameters before and after are saved (the only run whose are read: the model's are 0.5 GB each).
     "dppo_keep_half": dict(trainer="dppo", max_steps=12, modes=MODES + ["token_truncate"] * 2,
-                           constant_reward_batches=[4], trained_steps=[11, 12],
+                           constant_reward_batches=[4], trained_steps=[11, 12], record_params=True,
                            dppo=dict(completion_keep_rate=0.5, speed_check=False)),
     # Prompt pruning's cut with the probe: 2 of each batch's 4 prompts generated, the probe's completions spliced in.
     "dppo_cut": dict(trainer="dppo", max_steps=4, modes=MODES[:2], dppo=dict(prompt_keep_rate=0.5)),

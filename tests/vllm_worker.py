@@ -10,7 +10,8 @@ is 0 in the others, so parameters, and with them vLLM's samples, stay the same f
 generation batch, and the batches whose reward is constant. It saves, with torch.save: per generation batch, what
 the trainer built (samples, vLLM's and the trainer's log-probs, TRL's IS ratio, DPPO's keep mask and weights); per
 optimizer step, the LoRA gradient the optimizer received (float64) and the rows of the passes without autograd;
-the logs; the LoRA and base parameters before and after; with `audit_every`, each audit's two gradients.
+the logs; with `record_params`, the LoRA and base parameters before and after (as they are, float32: 1 GB for both,
+so only the run whose test reads them saves them); with `audit_every`, each audit's two gradients.
 """
 
 import json
@@ -101,12 +102,13 @@ def run(scenario: dict) -> None:
             steps.append({"step": step, "gradient": lora_gradient(trainer), "no_grad_rows": counter["no_grad_rows"]})
 
     trainer.add_callback(Capture())
-    params = lambda: {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}  # noqa: E731
-    before = params()
+    record_params = scenario.get("record_params", False)
+    params = lambda: {n: p.detach().clone() for n, p in trainer.model.named_parameters()}  # noqa: E731
+    before = params() if record_params else None
     trainer.train()
     saved = {"records": trainer.__dict__.get("records", []), "audits": trainer.__dict__.get("audits", []),
-             "steps": steps, "logs": trainer.state.log_history, "before": before, "after": params(),
-             "no_grad_rows": counter["no_grad_rows"]}
+             "steps": steps, "logs": trainer.state.log_history, "before": before,
+             "after": params() if record_params else None, "no_grad_rows": counter["no_grad_rows"]}
     torch.save(saved, scenario["out"])
 
 
