@@ -69,7 +69,7 @@ test-fast: $(DEV_STAMP)
 # shim in tests/vllm_cpu_shim.py). Also in .ci/run, after `make test`.
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest tests/test_vllm_engine.py
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VLLM_PY) -m pytest tests/test_vllm_engine.py --durations=25
 
 # Two CPU processes (torchrun, gloo): no hang, identical ranks, rank balancing, kill/resume. Also in `make test`.
 test-multiprocess: $(DEV_STAMP)
