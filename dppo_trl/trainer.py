@@ -47,7 +47,7 @@ from .config import DPPOConfig, as_dppo_config, audit_sharding_refusal
 from .core.packing import is_varlen_attention
 from .hooks.audit import GradientAudit
 from .hooks.checkpoint import load_dppo_state, save_dppo_state
-from .hooks.generation_batch import BATCH_KEY, UNKEPT_ROWS_KEY, GenerationBatch
+from .hooks.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 from .hooks.keep_decision import KeepDecision
 from .hooks.model_card import DPPOModelCard
 from .hooks.placement import RowPlacement
@@ -199,14 +199,17 @@ class DPPOTrainer(
         self._draw_keep_mask(output, batch, scores)
         if self.args.prompt_pruning:
             prompt_weights, count = self._take_prompt_decision(scores, batch)
-            batch.weights = batch.weights * prompt_weights
+            batch.iteration_weights = batch.iteration_weights * prompt_weights
             if count is not None:  # a token count fixed before this batch's draw (prompts.expected_candidate_tokens)
                 output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
         if self.args.completion_pruning or self.args.prompt_pruning:
             self._log_pruning_metrics(batch, scores)
-        self._log_keep_columns(batch)
+        self._log_keep_columns(batch.iteration(0))
         local, device = self._local(output["advantages"].size(0)), output["advantages"].device
+        # dppo_keep: the rows some iteration trains (forwarded, moved); dppo_weight: the first iteration's weights
+        # (the audit's and the vLLM metrics'); dppo_iteration_weights: (rows, num_iterations), each iteration's.
         output["dppo_keep"], output["dppo_weight"] = batch.keep[local].to(device), batch.weights[local].to(device)
+        output[ITERATION_WEIGHTS_KEY] = batch.iteration_weights[:, local].T.contiguous().to(device)
         audit_rows = dict(output) if audited else None  # this rank's rows before any exchange
         output.update(self._trl_split_of_rows(output, batch))
         output = self._balance_ranks(output, batch)
@@ -215,7 +218,9 @@ class DPPOTrainer(
         batch.logps_seconds = logps.seconds
         if audit_rows is not None:
             batch.audit = self._build_grpo_reference(audit_rows, batch, output, audited)
-        output["dppo_weight"] = output["dppo_weight"].to(self._logps_dtype(self.model))
+        dtype = self._logps_dtype(self.model)
+        output["dppo_weight"] = output["dppo_weight"].to(dtype)
+        output[ITERATION_WEIGHTS_KEY] = output[ITERATION_WEIGHTS_KEY].to(dtype)
         output[BATCH_KEY] = batch
         return output
 
@@ -229,10 +234,21 @@ class DPPOTrainer(
             # TRL's own shuffle (which rows land in which micro-batch is DPPO's plan; the rows' TRL split was
             # replayed before the deferred passes, from batch.trl_split_rng_state).
             rows = shuffle_sequence_dict(rows)
-            self._buffered_inputs = self._kept_microbatches(rows, batch)
-            if batch.audit is not None:
-                self._audit_generation_batch(batch, self._buffered_inputs)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+            self._buffered_inputs = self._iteration_microbatches(rows, batch)
+            if batch.audit is not None:  # the first iteration's: GRPO's gradient at the same parameters
+                self._audit_generation_batch(batch, self._buffered_inputs[: self.args.steps_per_generation])
+        # TRL's _step restarts at 0 on resume, where TRL regenerates (_buffered_inputs is None): iteration 0 again.
+        return self._buffered_inputs[self._step % generate_every]
+
+    def _iteration_microbatches(self, rows: dict, batch: GenerationBatch) -> list[dict]:
+        """``steps_per_generation`` micro-batches for each of the ``num_iterations`` iterations, in order: each
+        iteration's own kept rows and weights (``GenerationBatch.iteration``), planned with its own seed."""
+        weights = rows.pop(ITERATION_WEIGHTS_KEY)
+        microbatches = []
+        for k in range(weights.size(1)):
+            own = {**rows, "dppo_keep": weights[:, k] > 0, "dppo_weight": weights[:, k]}
+            microbatches += self._kept_microbatches(own, batch.iteration(k), iteration=k)
+        return microbatches
 
     def _compute_loss(self, model, inputs):
         if "dppo_weight" not in inputs:

@@ -71,7 +71,7 @@ class Worker(Recorder, DPPOTrainer):
 
     def _decide_keep(self, scores, batch):
         decision = super()._decide_keep(scores, batch)
-        append(self, "own_masks", decision[0].int().tolist())  # before the broadcast
+        append(self, "own_masks", decision[0].any(0).int().tolist())  # before the broadcast (rows some iteration keeps)
         return decision
 
     def _decide_cut(self, keys, probe, candidates_per_rank):
@@ -94,7 +94,8 @@ class Worker(Recorder, DPPOTrainer):
                 "completion_lengths": output["completion_mask"].sum(1).tolist(),
                 "prompt_lengths": output["prompt_mask"].sum(1).tolist(),
             }
-        return super()._draw_keep_mask(output, batch, advantages)
+        super()._draw_keep_mask(output, batch, advantages)
+        append(self, "iteration_masks", (batch.iteration_weights > 0).int().tolist())  # each iteration's own draw
 
 
 def record_forward_calls(trainer, calls, run):
@@ -242,6 +243,7 @@ def main(argv):
         "steps": trainer.state.global_step,
         "masks": [m for t in trainers for m in t.masks],
         "own_masks": [m for t in trainers for m in t.own_masks],
+        "iteration_masks": [m for t in trainers for m in t.iteration_masks],
         "prompt_decisions": [
             [w.tolist(), None if n is None else float(n), cut.accepted.tolist()] for t in trainers
             for w, n, cut in t.__dict__.get("prompt_decisions", [])

@@ -51,6 +51,7 @@ def torchrun(out_dir, model_dir, *worker_args, timeout=300):
     params = [torch.load(out_dir / f"params{r}.pt") for r in range(2)]
     assert all(r["world"] == 2 and r["finite"] for r in ranks)
     assert ranks[0]["masks"] == ranks[1]["masks"] and ranks[0]["masks"]
+    assert ranks[0]["iteration_masks"] == ranks[1]["iteration_masks"]  # each iteration's draw, on both ranks
     assert_same_forward_calls(ranks)
     for name, p in params[0].items():  # DDP kept the ranks in step
         torch.testing.assert_close(params[1][name], p, rtol=1e-6, atol=1e-7)
@@ -83,12 +84,16 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sam
     single._draw_keep_mask(output, batch, advantages)
     single._log_pruning_metrics(batch, advantages)
     assert single.last_global_keep.int().tolist() == ranks[0]["masks"][0]
+    # num_iterations 2: each iteration's own draw, the single process's too
+    assert (batch.iteration_weights > 0).int().tolist() == ranks[0]["iteration_masks"][0]
+    if sampling == "systematic":
+        assert any(m[0] != m[1] for m in ranks[0]["iteration_masks"])  # not one mask reused
     logged = ranks[0]["first_log"]
     assert {"dppo/kept_fraction", "dppo/kept_token_fraction", "dppo/ess", "dppo/compute_saved"} <= set(
         single._metrics["train"]
     )
-    for key, values in single._metrics["train"].items():
-        assert logged[key] == pytest.approx(values[0], rel=1e-6, abs=1e-9), key
+    for key, values in single._metrics["train"].items():  # one entry per iteration, averaged by TRL's log
+        assert logged[key] == pytest.approx(sum(values) / len(values), rel=1e-6, abs=1e-9), key
 
 
 @pytest.mark.slow

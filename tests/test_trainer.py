@@ -88,8 +88,10 @@ def test_packed_path_with_every_row_kept_matches_grpo_when_one_step_takes_the_ge
     [(False, False, None), (True, False, None), (False, True, False), (True, True, False), (True, True, None)],
 )
 def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_dataset, use_peft, packing, sharing):
-    """Only kept rows are forwarded, each once per pass; with packing, their real tokens once per pass (with prefix
-    sharing, fewer: a group's prompt once per call). The speed check, which times GRPO's passes once, is off."""
+    """Only kept rows are forwarded: the old-policy and reference passes once for the rows some iteration keeps
+    (num_iterations 2, each iteration its own draw), each iteration's loss pass for its own kept rows; with packing,
+    their real tokens (with prefix sharing, fewer: a group's prompt once per call). The speed check, which times
+    GRPO's passes once, is off."""
     kwargs = dict(
         max_steps=2,
         beta=0.05,
@@ -115,17 +117,22 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
     # GRPO: per generation batch of 16 rows, an old pass, a ref pass and num_iterations=2 loss passes.
     assert totals["grpo"][0]["rows"] == 16 * 4  # 2 optimizer steps x 2 micro-steps = 1 generation batch
     dppo = totals["dppo"][1]
-    kept = sum(int(r["dppo_keep"].sum()) for r in dppo.records)
-    assert dppo.args.steps_per_generation <= kept < 16 * len(dppo.records)  # no filler rows needed here
-    assert totals["dppo"][0]["rows"] == kept * 4  # old + ref + 2 loss passes, kept rows only
-    if packing:  # the real tokens of kept rows, each once per pass
-        real = sum(
-            int((r["prompt_mask"].sum(1) + r["completion_mask"].sum(1))[r["dppo_keep"]].sum()) for r in dppo.records
-        )
+    (record,) = dppo.records
+    iterations = record["dppo_iteration_weights"] > 0  # (rows, 2): the rows each iteration keeps
+    assert torch.equal(record["dppo_keep"], iterations.any(1))  # the passes' rows: those some iteration keeps
+    assert not torch.equal(iterations[:, 0], iterations[:, 1])  # two draws (this seed), not one mask reused
+    kept, trained = int(record["dppo_keep"].sum()), int(iterations.sum())
+    assert dppo.args.steps_per_generation <= kept < 16  # no filler rows needed here
+    assert totals["dppo"][0]["rows"] == kept * 2 + trained  # old + ref once, each iteration's loss pass
+    if packing:  # the real tokens of those rows (not the pad token: an EOS that is the pad id), in each pass
+        pad = dppo.processing_class.pad_token_id
+        completion = (record["completion_ids"] != pad) & record["completion_mask"].bool()
+        real = (record["prompt_mask"].sum(1) + completion.sum(1))[:, None]
+        expected = int(real[record["dppo_keep"]].sum()) * 2 + int((real * iterations).sum())
         if sharing is False:
-            assert totals["dppo"][0]["tokens"] == real * 4
+            assert totals["dppo"][0]["tokens"] == expected
         else:
-            assert totals["dppo"][1]._prefix_sharing and totals["dppo"][0]["tokens"] < real * 4
+            assert totals["dppo"][1]._prefix_sharing and totals["dppo"][0]["tokens"] < expected
 
 
 def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_model_dir, train_dataset):

@@ -206,9 +206,19 @@ def data_progress(trainer) -> int:
     return trainer.state.global_step
 
 
+def generation_progress(trainer) -> int:
+    """Generation batches trained so far: optimizer steps over ``num_iterations`` (each generation feeds
+    ``num_iterations`` optimizer steps at GA = ``steps_per_generation``)."""
+    return trainer.state.global_step // trainer.args.num_iterations
+
+
+GRPO_TRAINER = "grpo"  # settings {"trainer": "grpo", **fields}: TRL's GRPOTrainer with these GRPOConfig fields
+
+
 def run_one(name, settings, seed, setup, turns=None):
-    """Train one method (``settings``: DPPOConfig fields, None for TRL's GRPO) from ``setup["model_dir"]`` for
-    ``setup["steps"]`` optimizer steps (pruned methods go on for ``setup["extension"]`` more, used only to see
+    """Train one method (``settings``: DPPOConfig fields; None for TRL's GRPO, or ``{"trainer": "grpo", **fields}``
+    for TRL's GRPO with these ``GRPOConfig`` fields) from ``setup["model_dir"]`` for ``setup["steps"]`` generation
+    batches (``num_iterations`` optimizer steps each; at 1, optimizer steps) (pruned methods go on for ``setup["extension"]`` more, used only to see
     when they reach GRPO's final reward), or for ``setup["epochs"]`` epochs where given; return its per-step,
     per-generation and evaluation records.
 
@@ -225,10 +235,14 @@ def run_one(name, settings, seed, setup, turns=None):
     from dppo_trl import DPPOConfig, DPPOTrainer
     from dppo_trl.hooks.summary import DPPOSummaryCallback
 
+    grpo = settings is None or settings.get("trainer") == GRPO_TRAINER
+    fields = {k: v for k, v in (settings or {}).items() if k != "trainer"}
+    iterations = fields.get("num_iterations", 1)
+    budget = setup["steps"] * iterations if setup.get("steps") else None
     if setup.get("epochs"):  # the epoch protocol (bench_reasoning.py): no step budget
         length = dict(num_train_epochs=setup["epochs"])
     else:
-        length = dict(max_steps=setup["steps"] + (setup["extension"] if settings is not None else 0))
+        length = dict(max_steps=(setup["steps"] + (0 if grpo else setup["extension"])) * iterations)
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="dppo-bench-"),
         report_to=[],
@@ -240,10 +254,10 @@ def run_one(name, settings, seed, setup, turns=None):
         **length,
         **setup["trainer_args"],
     )
-    if settings is None:
-        trainer_cls, args = timed(GRPOTrainer), GRPOConfig(**common)
+    if grpo:
+        trainer_cls, args = timed(GRPOTrainer), GRPOConfig(**{**common, **fields})
     else:
-        trainer_cls, args = timed(DPPOTrainer), DPPOConfig(**common, **{"speed_check": False, **settings})
+        trainer_cls, args = timed(DPPOTrainer), DPPOConfig(**{**common, "speed_check": False, **fields})
     trainer = trainer_cls(
         setup["model_dir"],
         setup["reward_funcs"],
@@ -254,7 +268,7 @@ def run_one(name, settings, seed, setup, turns=None):
     evaluate = setup.get("evaluate")
     if evaluate is not None:
         evaluate = functools.partial(evaluate, tokenizer=trainer.processing_class)
-    timer = clock(trainer, evaluate, setup["eval_every"], setup.get("steps"), setup.get("progress"), turns)
+    timer = clock(trainer, evaluate, setup["eval_every"], budget, setup.get("progress"), turns)
     trainer.add_callback(timer)
     if turns is not None:
         from dppo_trl.interleave import turns_callback

@@ -74,9 +74,12 @@ def pad_to_width(batch: dict, key: str, prompt_width: int, completion_width: int
                  per_sequence_ratio: bool) -> torch.Tensor:
     """``batch[key]`` padded to common widths, so the rows of several ranks can travel in one gather:
     ``prompt_*`` on the left (prompts are left-padded), tensors as wide as the completions on the right, with
-    the value that means "nothing" for the key (the pad token for ids, 1 for the IS ratio, 0 otherwise). Other
+    the value that means "nothing" for the key (the pad token for ids, 1 for the IS ratio, 0 otherwise). DPPO's own
+    entries (``dppo_*``) and other
     shapes stay as they are, and so does the IS ratio when it is per sequence (``per_sequence_ratio``: (B, 1))."""
     value = batch[key]
+    if key.startswith("dppo_"):  # DPPO's per-row entries (a row's iteration weights are (B, num_iterations))
+        return value
     fill = pad_id if key in ("prompt_ids", "completion_ids") else 1 if key == "importance_sampling_ratio" else 0
     if key.startswith("prompt_") and value.dim() > 1:
         return torch.nn.functional.pad(value, (prompt_width - value.size(1), 0), value=fill)

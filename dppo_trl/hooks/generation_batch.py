@@ -11,6 +11,10 @@ import torch
 # The key under which ``_generate_and_score_completions`` hands the batch to ``_prepare_inputs`` (popped there).
 BATCH_KEY = "dppo_generation_batch"
 
+# The key under which each row carries its weight in each iteration, (rows, num_iterations), 0 where that iteration
+# does not keep it: popped by ``_prepare_inputs``.
+ITERATION_WEIGHTS_KEY = "dppo_iteration_weights"
+
 # The key under which a micro-batch carries the tokens of its TRL micro-batch's rows that were not kept (the entropy
 # filter's quantile is over them too): popped by ``_compute_loss``.
 UNKEPT_ROWS_KEY = "dppo_unkept_rows"
@@ -40,9 +44,10 @@ class GenerationBatch:
         padded_widths: (world, 2) long: each rank's padded prompt and completion widths.
         widths_per_rank: each rank's padded sequence width (every rank's the widest once rows move).
         kept_rows_per_rank: per rank, the rows it trains, in order (indices into the ``N`` rows; row //
-            num_generations is the row's group).
-        keep: (N,) bool: the keep decision, the same on every rank.
-        weights: (N,) float64: the rows' Horvitz-Thompson weights (times the prompt weights).
+            num_generations is the row's group): with ``num_iterations`` > 1, the rows some iteration trains.
+        keep: (N,) bool: the rows some iteration trains (their log-prob passes run), the same on every rank.
+        iteration_weights: (num_iterations, N) float64: each iteration's Horvitz-Thompson weights (times the prompt
+            weights), 0 where that iteration does not keep the row: one independent draw per iteration.
         keep_probabilities: (N,) float64 ``pi``, None for the deterministic designs.
         prune_summary: ``(keep rate, estimated pruning error)``, None without ``pi``.
         trl_split_rng_state: the CPU RNG state TRL's shuffle of this batch draws from.
@@ -59,7 +64,7 @@ class GenerationBatch:
     widths_per_rank: list[int] = dataclasses.field(default_factory=list)
     kept_rows_per_rank: list[list[int]] = dataclasses.field(default_factory=list)
     keep: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
+    iteration_weights: torch.Tensor | None = None
     keep_probabilities: torch.Tensor | None = None
     prune_summary: tuple[float, float] | None = None
     trl_split_rng_state: torch.Tensor | None = None
@@ -67,6 +72,21 @@ class GenerationBatch:
     generation_seconds: float = 0.0
     logps_seconds: float = 0.0
     cut: object | None = None
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """(N,) float64: the first iteration's weights (with ``num_iterations`` 1, the batch's)."""
+        return self.iteration_weights[0]
+
+    def iteration(self, k: int) -> GenerationBatch:
+        """Iteration ``k``'s decision as a batch of one iteration: the rows it keeps (``keep``, each rank's
+        ``kept_rows_per_rank`` in order) and their weights; everything else shared."""
+        weights = self.iteration_weights[k]
+        kept = weights > 0
+        return dataclasses.replace(
+            self, keep=kept, iteration_weights=weights[None],
+            kept_rows_per_rank=[[r for r in rows if kept[r]] for rows in self.kept_rows_per_rank],
+        )
 
     @property
     def sequence_lengths(self) -> torch.Tensor:

@@ -68,37 +68,44 @@ class KeepDecision:
         ga = self.args.gradient_accumulation_steps
         return self.state.global_step * ga + self._step % ga
 
-    def _seed_of(self, stream: str) -> int:
-        """This generation batch's seed of ``stream`` (``core.seeds``), indexed by the training position."""
+    def _seed_of(self, stream: str, iteration: int = 0) -> int:
+        """This generation batch's seed of ``stream`` (``core.seeds``), indexed by the training position at which
+        its ``iteration`` starts (``steps_per_generation`` micro-steps an iteration)."""
         base = self.args.prune_seed if self.args.prune_seed is not None else self.args.seed
-        return derive_seed(stream, base, self._training_position())
+        return derive_seed(stream, base, self._training_position() + iteration * self.args.steps_per_generation)
 
     @profiling_decorator
     def _draw_keep_mask(self, output: dict, batch: GenerationBatch, scores: torch.Tensor) -> None:
         """The global keep decision, the main process's on every rank (``_same_on_every_rank``), into ``batch``:
-        ``keep``, ``weights``, ``keep_probabilities`` and ``prune_summary`` over every rank's rows, with the rows'
-        token counts and every rank's kept sequence lengths, from which each rank derives the common micro-batch
-        row counts and forward calls."""
+        each iteration's weights, the rows some iteration keeps, ``keep_probabilities`` and ``prune_summary`` over
+        every rank's rows, with the rows' token counts and every rank's kept sequence lengths, from which each rank
+        derives the common micro-batch row counts and forward calls."""
         local_rows = output["advantages"].size(0)
         self._gather_row_tokens(output, batch)
         decision = self._decide_keep(scores, batch)
-        batch.keep, batch.keep_probabilities, batch.prune_summary = self._same_on_every_rank(decision)
-        pi, keep = batch.keep_probabilities, batch.keep
-        batch.weights = keep.double() if pi is None else horvitz_thompson_weights(pi, keep)
-        self.last_global_keep = keep  # the decision of the whole generation batch, the same on every rank
+        keeps, batch.keep_probabilities, batch.prune_summary = self._same_on_every_rank(decision)
+        pi = batch.keep_probabilities
+        batch.iteration_weights = keeps.double() if pi is None else horvitz_thompson_weights(pi, keeps)
+        batch.keep = keep = keeps.any(0)
+        self.last_global_keep = keep  # the rows of the whole generation batch some iteration keeps, on every rank
         rows_per_rank = torch.arange(keep.numel()).view(self.accelerator.num_processes, local_rows)
         batch.kept_rows_per_rank = [rows[keep[rows]].tolist() for rows in rows_per_rank]
 
     def _decide_keep(self, scores: torch.Tensor, batch: GenerationBatch) -> tuple:
-        """``(keep, pi, summary)`` of the generation batch: the design's mask and keep probabilities (``pi`` None
-        for the deterministic designs) and ``(keep rate, estimated pruning error)`` (None without ``pi``)."""
+        """``(keeps, pi, summary)`` of the generation batch: ``keeps`` (num_iterations, N), one independent draw of
+        the design per iteration, each seeded by the position where its iteration starts (an iteration that reused
+        an earlier one's mask would start from parameters that depend on it: its expected gradient would not be
+        GRPO's); the keep probabilities (the same for every iteration: the advantages are; None for the
+        deterministic designs) and ``(keep rate, estimated pruning error)`` (None without ``pi``)."""
+        iterations = self.num_iterations
         if not self.args.completion_pruning:  # packing only: every row, weight 1
-            return torch.ones_like(scores, dtype=torch.bool), None, None
+            return torch.ones(iterations, scores.numel(), dtype=torch.bool), None, None
         problem = self._prune_problem(scores, batch)
-        generator = torch.Generator().manual_seed(self._seed_of("keep"))
-        keep, pi = get_design(self.args.prune_sampling)(problem, generator)
+        design = get_design(self.args.prune_sampling)
+        draws = [design(problem, torch.Generator().manual_seed(self._seed_of("keep", k))) for k in range(iterations)]
+        pi = draws[0][1]
         summary = None if pi is None else (problem.keep_rate, pruning_relative_error(pi, problem.scores))
-        return keep, pi, summary
+        return torch.stack([keep for keep, _ in draws]), pi, summary
 
     def _same_on_every_rank(self, value):
         """The main process's ``value``, sent to every rank (pickled, so bit for bit). Decisions that every rank
@@ -150,7 +157,16 @@ class KeepDecision:
         batch.widths_per_rank = batch.padded_widths.sum(1).tolist()
 
     def _log_pruning_metrics(self, batch: GenerationBatch, scores: torch.Tensor) -> None:
-        """The ``dppo/*`` metrics of the global decision; ``batch.weights`` include the prompt weights."""
+        """The ``dppo/*`` metrics of the global decision, one entry per iteration (TRL's log averages them); with
+        ``num_iterations`` > 1 also ``dppo/logps_row_fraction``, the rows some iteration keeps (their log-prob
+        passes run once)."""
+        if self.num_iterations > 1:
+            self._metrics["train"]["dppo/logps_row_fraction"].append(float(batch.keep.float().mean()))
+        for k in range(batch.iteration_weights.size(0)):
+            self._log_iteration_metrics(batch.iteration(k), scores)
+
+    def _log_iteration_metrics(self, batch: GenerationBatch, scores: torch.Tensor) -> None:
+        """The ``dppo/*`` metrics of one iteration's decision; ``batch.weights`` include the prompt weights."""
         metrics = self._metrics["train"]
         keep, weights, pi = batch.keep, batch.weights, batch.keep_probabilities
         completion = batch.row_tokens[:, 1].double()

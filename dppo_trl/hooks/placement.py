@@ -45,7 +45,7 @@ from ..core.packing import (
     varlen_kwargs,
 )
 from ..core.model_support import length_dependent_rope, sequence_mixing_layers
-from .generation_batch import UNKEPT_ROWS_KEY, GenerationBatch
+from .generation_batch import ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class RowPlacement:
             out[key] = torch.cat([value, gathered[arriving]])
         out["dppo_keep"][leaving] = False
         out["dppo_weight"][leaving] = 0.0
+        out[ITERATION_WEIGHTS_KEY][leaving] = 0.0
         batch.kept_rows_per_rank = [[batch.kept_rows_per_rank[r][i] for r, i in rows] for rows in plan]
         return out
 
@@ -282,7 +283,7 @@ class RowPlacement:
         return logps, entropies, out.aux_loss if compute_aux_loss else None
 
     @profiling_decorator
-    def _kept_microbatches(self, rows: dict, batch: GenerationBatch) -> list[dict]:
+    def _kept_microbatches(self, rows: dict, batch: GenerationBatch, iteration: int = 0) -> list[dict]:
         """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches
         (``microbatch_plan``: by tokens with packing, at most ``per_device_train_batch_size`` rows each where the
         rows allow, or evenly by rows; a fair share of every rank's rows in each optimizer step; or TRL's own
@@ -290,7 +291,8 @@ class RowPlacement:
         slot with no kept row fills up with zero-weight filler rows of one token. Under the entropy filter with
         completion pruning, each micro-batch of which some rank kept a row also carries the tokens of the rows of
         TRL's micro-batch that were not kept (``UNKEPT_ROWS_KEY``): the filter's quantile is taken over them too,
-        as TRL takes it."""
+        as TRL takes it. ``iteration``: which of ``num_iterations`` (its own seed of the plan's order)."""
+        rows = dict(rows)
         keep, trl_microbatch = rows.pop("dppo_keep"), rows.pop("dppo_trl_microbatch")
         rows.pop("dppo_origin_rank")
         row_index = rows.pop("dppo_row").tolist()
@@ -301,9 +303,9 @@ class RowPlacement:
             bins, sizes = self._trl_split_bins(trl_microbatch, kept)
             kept_anywhere, sizes = [size > 0 for size in sizes], [max(size, 1) for size in sizes]
         elif self._shares_prefixes:
-            bins, sizes = self._unit_bins(kept.tolist(), [row_index[i] for i in kept.tolist()], batch)
+            bins, sizes = self._unit_bins(kept.tolist(), [row_index[i] for i in kept.tolist()], batch, iteration)
         else:
-            generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan"))
+            generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan", iteration))
             positions, sizes = microbatch_plan(
                 [lengths[i] for i in kept.tolist()],
                 batch.kept_lengths_per_rank,
@@ -325,13 +327,13 @@ class RowPlacement:
         self._log_microbatch_metrics(rows, lengths, bins, sizes, row_index, batch)
         return microbatches
 
-    def _unit_bins(self, kept: list[int], kept_rows: list[int], batch: GenerationBatch):
+    def _unit_bins(self, kept: list[int], kept_rows: list[int], batch: GenerationBatch, iteration: int = 0):
         """``(bins, sizes)`` with prefix sharing: ``microbatch_plan`` over units (``_rank_units``: one group's kept
         rows on this rank, one segment), so a group's rows train in one micro-batch and forward their prompt
         once. ``kept``: positions of this rank's kept rows; ``kept_rows``: their indices in the generation batch."""
         units, unit_lengths, unit_rows = self._rank_units(kept_rows, batch)
         every_rank = [self._rank_units(rows_of_rank, batch) for rows_of_rank in batch.kept_rows_per_rank]
-        generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan"))
+        generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan", iteration))
         positions, sizes = microbatch_plan(
             unit_lengths,
             [u[1] for u in every_rank],

@@ -9,7 +9,8 @@ from transformers import TrainerCallback
 from dppo_trl import DPPOTrainer
 
 # What each training generation batch looked like after pruning.
-BATCH_KEYS = ("completion_ids", "prompt_mask", "completion_mask", "advantages", "dppo_keep", "dppo_weight")
+BATCH_KEYS = ("completion_ids", "prompt_mask", "completion_mask", "advantages", "dppo_keep", "dppo_weight",
+              "dppo_iteration_weights")
 
 
 def append(trainer, name, value):
