@@ -447,6 +447,14 @@ class DPPOConfig(GRPOConfig):
                 "makes the acceptance probabilities sum past m, which the fixed-size draw cannot honour (the cut "
                 f"would be biased). Use prompt_keep_floor <= {accepted / candidates:.4g}, or a higher prompt_keep_rate."
             )
+        elif self.num_iterations > 1:
+            logger.warning(
+                f"DPPOConfig: the cut (prompt_keep_rate={self.prompt_keep_rate!r}) with num_iterations="
+                f"{self.num_iterations}: the first iteration of a generation batch is exact; the later ones train on "
+                "the same accepted prompts (a generation cannot be drawn again), from parameters that depend on "
+                "them, so their expected step is close to GRPO's, not equal (completion pruning draws each "
+                "iteration afresh). For an exact step at every iteration, use num_iterations=1 with the cut."
+            )
 
     def _validate_probe(self) -> None:
         score = self.prompt_score

@@ -222,3 +222,16 @@ def test_the_cut_says_when_it_cuts_nothing_and_refuses_a_floor_above_m_over_p(ca
             make(**kwargs)
     assert make(prompt_keep_rate=0.25, prompt_keep_floor=0.25, per_device_train_batch_size=16,
                 num_generations=4).prompt_cut_runs  # floor x P = m: every pi at the floor, sum m
+
+
+def test_the_cut_with_several_iterations_says_only_the_first_is_exact(caplog):
+    """The cut is drawn once a generation: with num_iterations > 1 the later iterations reuse it, which a warning
+    says; completion pruning alone draws each iteration afresh (tests/test_reuse.py) and warns nothing."""
+    cut = dict(prompt_keep_rate=0.5, per_device_train_batch_size=16, num_generations=4, steps_per_generation=2)
+    for settings, warns in ((dict(cut, num_iterations=2), True), (cut, False),
+                            (dict(num_iterations=2, completion_keep_rate=0.5), False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dppo_trl.config"):
+            make(**settings)
+        warnings = [r.getMessage() for r in caplog.records if r.name == "dppo_trl.config"]
+        assert any("num_iterations=2" in w and "first iteration" in w for w in warnings) == warns, warnings

@@ -104,8 +104,8 @@ def test_rows_moved_between_ranks_train_as_where_they_were(tmp_path, tiny_model_
     of the mean load wherever the unbalanced one was outside it; with it, groups move whole and the load (shared
     tokens) never grows."""
     flags = () if sharing else ("--no-prefix-sharing",)
-    balanced, params = torchrun(tmp_path / "balanced", tiny_model_dir, "systematic", 0.5, 2, *flags)
-    unbalanced, reference = torchrun(tmp_path / "unbalanced", tiny_model_dir, "systematic", 0.5, 2, "inf", *flags)
+    balanced, params = torchrun(tmp_path / "balanced", tiny_model_dir, "systematic", 0.3, 2, *flags)
+    unbalanced, reference = torchrun(tmp_path / "unbalanced", tiny_model_dir, "systematic", 0.3, 2, "inf", *flags)
     assert balanced[0]["masks"] == unbalanced[0]["masks"]
     before, after = balanced[0]["rank_imbalance_before"], balanced[0]["rank_imbalance"]
     assert before == unbalanced[0]["rank_imbalance"]
@@ -127,7 +127,7 @@ def test_a_length_dependent_rotary_keeps_rows_on_their_rank_and_runs_trls_padded
     (tests/test_packing_models.py). The same pass one column wider, as a row moved to a wider rank is padded,
     differs by over 1e-9: the comparison can tell."""
     model_dir = save_tiny_rope(tmp_path / "model", "dynamic")
-    ranks, _ = torchrun(tmp_path, model_dir, "systematic", 0.5, 4, "--reference-passes", "--float64")
+    ranks, _ = torchrun(tmp_path, model_dir, "systematic", 0.3, 4, "--reference-passes", "--float64")
     assert max(ranks[0]["rank_imbalance_before"]) > 1 + DPPOTrainer.RANK_BALANCE_TOLERANCE  # rows would move
     for rank in ranks:
         assert rank["packing"] is False
