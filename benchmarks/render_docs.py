@@ -809,6 +809,34 @@ def audit_alarm_table(data: dict) -> str:
 # ------------------------------------------------------------------------------------------ the registry
 
 
+def reuse_table(data: dict) -> str:
+    """bench_reuse: each row's learning per generation against GRPO (``mu = 1``), its training phase per generation
+    (timed in turns) and the projected time at each generation share; ``-`` where a figure is not recorded yet."""
+    shares = sorted({p["generation_share"] for p in data["projection"]})
+    projected = {(p["name"], p["generation_share"]): p for p in data["projection"]}
+    out = []
+
+    def ratio(r, key):
+        mean = r[f"{key}_mean"]
+        return "-" if mean is None else f"{pm(mean, r[f'{key}_se'], '.2f')} ({r[f'{key}_reached']})"
+
+    for r in data["results"]:
+        ci = r["heldout_final_diff_ci"]
+        training = r["training_ratio_per_generation"]
+        out.append([
+            f"`{r['method']}`", str(r["num_iterations"]), f"{r['learning_rate']:g}", str(len(r["seeds"])),
+            ratio(r, "heldout_generations_to_90_ratio"), ratio(r, "generations_to_90_ratio"),
+            "-" if ci is None else f"{r['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]",
+            "-" if training is None else pm(*training, ".2f"),
+            *[pm(projected[r["name"], s]["time_ratio"], projected[r["name"], s]["time_ratio_se"], ".2f")
+              if (r["name"], s) in projected else "-" for s in shares],
+        ])
+    header = ["method", "`num_iterations`", "learning rate", "seeds", "held-out: generations to 90%",
+              "training reward: generations to 90%", "held-out final - GRPO's [95% CI]",
+              "training per generation", *[f"time at s = {s:g}" for s in shares]]
+    return md_table(header, out)
+
+
 def _reasoning(name, columns, settings=True):
     return name, lambda d: reasoning_table(d, columns, run_design(name, d), settings)
 
@@ -846,6 +874,7 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_audit": ("bench_audit", audit_table),
     "bench_audit_countdown": ("bench_audit_countdown", audit_table),
     "bench_audit_alarm": ("bench_audit_alarm", audit_alarm_table),
+    "bench_reuse": ("bench_reuse", reuse_table),
 }
 
 

@@ -224,3 +224,15 @@ def test_the_iterations_masks_are_independent_draws_of_the_same_design(tmp_path,
         joint, expected = (keeps[:, a] * keeps[:, b]).mean(0), pi**2
         se = (expected * (1 - expected) / n).sqrt().clamp(min=1e-12)
         assert ((joint - expected).abs() <= 4.5 * se + 1e-12).all()
+
+
+def test_the_speed_check_counts_every_iteration_and_says_so(tmp_path, tiny_model_dir, train_dataset, capsys):
+    """At num_iterations 2 the speed check times the batch's log-prob passes once and its gradient passes once per
+    iteration, for GRPO and DPPO alike (``core.audit.projected_time_ratios``), and the summary line says so."""
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, completion_keep_rate=0.5, num_iterations=2,
+                    steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05)
+    trainer.train()
+    records = trainer._audit_records()
+    assert len(records["step_time_ratio"]) == 1 and records["speed_check_at"] is not None
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DPPO summary")][-1]
+    assert "1 batch timed; each generation batch trained num_iterations=2 times, every iteration counted" in line

@@ -381,9 +381,11 @@ class GradientAudit:
             step, train, share, grpo, saved = (metrics[f"dppo/speed_{name}"] for name in (
                 "step_time_ratio", "train_time_ratio", "generation_share", "projected_grpo_seconds",
                 "projected_seconds_saved"))
+            reuse = (f"; each generation batch trained num_iterations={self.num_iterations} times, every "
+                     "iteration counted" if self.num_iterations > 1 else "")
             return (f"measured here: a step takes {step:.2f} of GRPO's time (training {train:.2f}, generation "
-                    f"{share:.0%} of GRPO's step; {timed} batch{'es' if timed > 1 else ''} timed), projected time "
-                    f"saved {saved:.0f} s of GRPO's {grpo:.0f} s")
+                    f"{share:.0%} of GRPO's step; {timed} batch{'es' if timed > 1 else ''} timed{reuse}), projected "
+                    f"time saved {saved:.0f} s of GRPO's {grpo:.0f} s")
         if not self.args.speed_check or not self.args.dppo_training_path:
             return None
         return f"speed not measured: {self._speed_check_refusal() or 'the run ended before its timed batch'}"
