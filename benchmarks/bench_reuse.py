@@ -74,32 +74,33 @@ def setup_of(args) -> dict:
     """bench_real's setup, with ``steps`` counting generation batches and the held-out score every
     ``--eval-every`` generation batches."""
     setup = reasoning_gym_setup(
-        task="chain_sum", answer_format="last_number", task_seed=0, train_prompts=32, heldout=128,
-        eval_every=args.eval_every, steps=args.generations, prompts_per_step=4, max_completion_length=16,
-        learning_rate=LEARNING_RATE, vllm=args.vllm, generations=8,
+        task="chain_sum", answer_format="last_number", task_seed=0, train_prompts=args.train_prompts,
+        heldout=args.heldout, eval_every=args.eval_every, steps=args.generations,
+        prompts_per_step=args.prompts_per_step, max_completion_length=args.max_completion_length,
+        learning_rate=LEARNING_RATE, vllm=args.vllm, generations=args.group_size,
     )
     setup["progress"] = generation_progress
     return setup
 
 
-def records_path(seed: int, vllm: bool, kind: str = "reuse", part: str = "") -> Path:
-    return RECORDS / f"{kind}{'_vllm' if vllm else ''}_seed{seed}{'-' + part if part else ''}_runs.json"
+def records_path(folder, seed, vllm: bool, kind: str = "reuse", part: str = "") -> Path:
+    """A seed's records: ``kind`` (``reuse``: learning runs; ``timing``: runs in turns), a process's ``part``."""
+    return Path(folder) / f"{kind}{'_vllm' if vllm else ''}_seed{seed}{'-' + part if part else ''}_runs.json"
 
 
 def run(args) -> None:
     torch.set_num_threads(args.threads)
     setup = setup_of(args)
-    RECORDS.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
-        path = records_path(seed, args.vllm, part=args.part)
+        path = records_path(args.records, seed, args.vllm, part=args.part)
         started = time.perf_counter()
         saved = read_json(path) if path.exists() else None
         if saved is not None and saved["trainer_args"] != setup["trainer_args"]:
             raise SystemExit(f"{path}: recorded with other trainer settings; move it away to run afresh")
         elapsed = saved["elapsed_s"] if saved else 0.0
         # The runs of this seed already recorded in any part (another process may be adding to its own part).
-        done = [r for part in sorted(glob.glob(str(records_path(seed, args.vllm, part="*"))) + [str(path)])
-                if Path(part).exists() for r in read_json(part)["runs"]]
+        parts = sorted(glob.glob(str(records_path(args.records, seed, args.vllm, part="*")))) + [str(path)]
+        done = [r for part in parts if Path(part).exists() for r in read_json(part)["runs"]]
 
         def save(runs):
             mine = [r for r in runs if r["method"] in args.methods]
@@ -115,7 +116,7 @@ def timing(args) -> None:
     batches each after an untimed warm-up, recorded under ``timing_seed*_runs.json``."""
     setup = {**setup_of(args), "evaluate": None}
     for seed in args.seeds:
-        path = records_path(seed, args.vllm, "timing")
+        path = records_path(args.records, seed, args.vllm, "timing")
         started = time.perf_counter()
         runs = run_methods({name: METHODS[name] for name in args.methods}, [seed], setup, started=started,
                            label="timing ", in_turns=True, threads=args.threads, warmup=1)
@@ -135,25 +136,26 @@ def in_generations(run: dict) -> dict:
     )
 
 
-def load_runs(vllm: bool, trainer_args: dict) -> list[dict]:
+def load_runs(args, trainer_args: dict) -> tuple[list[dict], float]:
     """Every recorded learning run, one per (method, seed): this benchmark's, and bench_real's ``grpo`` and ``dppo``
-    (``mu = 1``) with the same trainer settings."""
-    tag = "_vllm" if vllm else ""
-    runs = {}
-    for path in sorted(glob.glob(str(RECORDS / f"reuse{tag}_seed*_runs.json"))):
+    (``mu = 1``) with the same trainer settings; and the seconds this benchmark's records took."""
+    tag = "_vllm" if args.vllm else ""
+    runs, elapsed = {}, 0.0
+    for path in sorted(glob.glob(str(records_path(args.records, "*", args.vllm)))):
         saved = read_json(path)
         if saved["trainer_args"] != trainer_args:
             raise SystemExit(f"{path}: other trainer settings than this benchmark's")
+        elapsed += saved["elapsed_s"]
         for run in saved["runs"]:
             runs.setdefault((run["method"], run["seed"]), run)
-    for path in sorted(glob.glob(str(LEARNING_RECORDS / f"real{tag}_seed*_runs.json"))):
+    for path in sorted(glob.glob(str(Path(args.learning_records) / f"real{tag}_seed*_runs.json"))):
         saved = read_json(path)
         if saved["trainer_args"] != trainer_args:
             continue
         for run in saved["runs"]:
             if run["method"] in ("grpo", "dppo"):
                 runs.setdefault((run["method"], run["seed"]), run)
-    return [in_generations(run) for run in runs.values()]
+    return [in_generations(run) for run in runs.values()], elapsed
 
 
 def training_seconds_per_generation(run: dict) -> float:
@@ -163,19 +165,21 @@ def training_seconds_per_generation(run: dict) -> float:
     return sum(s["logps"] + s["loss"] + s["rest"] for s in steps) / (len(steps) / mu)
 
 
-def training_ratios(vllm: bool) -> tuple[dict, list[int]]:
+def training_ratios(args) -> tuple[dict, list[int], float]:
     """{method: (mean, SE) over seeds of its training seconds a generation over GRPO (mu = 1)'s, same seed}, from
-    the runs taken in turns, and their seeds."""
-    per_method, seeds = {}, []
-    for path in sorted(glob.glob(str(RECORDS / f"timing{'_vllm' if vllm else ''}_seed*_runs.json"))):
-        by = {r["method"]: r for r in read_json(path)["runs"] if r.get("timing") == TIMING_IN_TURNS}
+    the runs taken in turns, their seeds and the seconds they took."""
+    per_method, seeds, elapsed = {}, [], 0.0
+    for path in sorted(glob.glob(str(records_path(args.records, "*", args.vllm, "timing")))):
+        saved = read_json(path)
+        elapsed += saved["elapsed_s"]
+        by = {r["method"]: r for r in saved["runs"] if r.get("timing") == TIMING_IN_TURNS}
         if BASE not in by:
             continue
         seeds.append(by[BASE]["seed"])
         base = training_seconds_per_generation(by[BASE])
         for method, run in by.items():
             per_method.setdefault(method, []).append(training_seconds_per_generation(run) / base)
-    return {m: mean_se(v) for m, v in per_method.items()}, seeds
+    return {m: mean_se(v) for m, v in per_method.items()}, seeds, elapsed
 
 
 def summary_rows(runs: list[dict], training: dict) -> list[dict]:
@@ -238,13 +242,21 @@ def verdict(rows: list[dict], projection: list[dict]) -> dict | None:
             "met": at[best]["time_ratio"] <= TARGET_VS_GRPO and ratio_to_best <= TARGET_VS_GRPO_BEST}
 
 
+def _ratio_cell(row: dict, key: str) -> str:
+    return f"{pm(row[key + '_mean'], row[key + '_se'], 2)} ({row[key + '_reached']})"
+
+
+def _difference_cell(row: dict) -> str:
+    ci = row["heldout_final_diff_ci"]
+    return "-" if ci is None else f"{row['heldout_final_diff_mean']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
 COLUMNS = [
     ("row", -10, "name:"),
     ("seeds", 6, lambda r: str(len(r["seeds"]))),
-    ("held-out gens to 90%", 22, lambda r: f"{pm(r['heldout_generations_to_90_ratio_mean'], r['heldout_generations_to_90_ratio_se'], 2)} ({r['heldout_generations_to_90_ratio_reached']})"),
-    ("reward gens to 90%", 22, lambda r: f"{pm(r['generations_to_90_ratio_mean'], r['generations_to_90_ratio_se'], 2)} ({r['generations_to_90_ratio_reached']})"),
-    ("held-out final - GRPO [95% CI]", 32, lambda r: "-" if r["heldout_final_diff_ci"] is None else
-     f"{r['heldout_final_diff_mean']:+.3f} [{r['heldout_final_diff_ci'][0]:+.3f}, {r['heldout_final_diff_ci'][1]:+.3f}]"),
+    ("held-out gens to 90%", 22, lambda r: _ratio_cell(r, "heldout_generations_to_90_ratio")),
+    ("reward gens to 90%", 22, lambda r: _ratio_cell(r, "generations_to_90_ratio")),
+    ("held-out final - GRPO [95% CI]", 32, _difference_cell),
     ("train/gen over GRPO", 20, lambda r: "-" if r["training_ratio_per_generation"] is None else
      pm(*r["training_ratio_per_generation"], 2)),
 ]
@@ -287,8 +299,8 @@ def plot(runs: list[dict], rows: list[dict], projection: list[dict], directory: 
 
 def report(args) -> dict:
     setup = setup_of(args)
-    runs = load_runs(args.vllm, setup["trainer_args"])
-    training, timing_seeds = training_ratios(args.vllm)
+    runs, elapsed = load_runs(args, setup["trainer_args"])
+    training, timing_seeds, timing_elapsed = training_ratios(args)
     rows = summary_rows(runs, training)
     projection = projection_rows(rows)
     tag = "_vllm" if args.vllm else ""
@@ -300,6 +312,7 @@ def report(args) -> dict:
         "trainer_args": setup["trainer_args"],
         "learning": "one after the other (learning per generation does not depend on the machine)",
         "timing": TIMING_IN_TURNS, "timing_seeds": timing_seeds,
+        "elapsed_s": elapsed + timing_elapsed,
         "results": rows, "projection": projection, "verdict": verdict(rows, projection),
     }
     if args.plots:
@@ -310,37 +323,45 @@ def report(args) -> dict:
     for name in dict.fromkeys(p["name"] for p in projection):
         print(f"{name:<10}" + "".join(f"  s={p['generation_share']:.1f}: {pm(p['time_ratio'], p['time_ratio_se'], 2)}"
                                       for p in projection if p["name"] == name))
-    write_json(Path("benchmarks/results") / f"bench_reuse{tag}.json", summary)
+    write_json(args.json or Path("benchmarks/results") / f"bench_reuse{tag}.json", summary)
     return summary
 
 
 def main(argv=None):
+    common = argparse.ArgumentParser(add_help=False)  # the protocol (bench_real's) and where records live
+    common.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (the vLLM lane's venv)")
+    common.add_argument("--train-prompts", type=int, default=32)
+    common.add_argument("--heldout", type=int, default=128)
+    common.add_argument("--prompts-per-step", type=int, default=4)
+    common.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations)")
+    common.add_argument("--max-completion-length", type=int, default=16)
+    common.add_argument("--records", default=str(RECORDS), help="the per-seed records' folder")
+    common.add_argument("--learning-records", default=str(LEARNING_RECORDS),
+                        help="bench_real's learning records, read for the mu = 1 rows")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    runner = sub.add_parser("run", help="train and record the runs of each seed (those recorded are kept)")
+    runner = sub.add_parser("run", parents=[common], help="train and record each seed's runs (recorded ones kept)")
     runner.add_argument("--seeds", nargs="+", type=int, required=True)
     runner.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("grpo", "dppo")],
                         choices=list(METHODS))
     runner.add_argument("--generations", type=int, default=40, help="generation batches of every method")
     runner.add_argument("--eval-every", type=int, default=4, help="generation batches between held-out scores")
     runner.add_argument("--threads", type=int, default=1)
-    runner.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (the vLLM lane's venv)")
     runner.add_argument("--part", default="", help="a name for this process's records of the seed (processes side by "
                         "side each write their own part; every part is read)")
-    timer = sub.add_parser("timing", help="the training phase per generation, every method in turns")
+    timer = sub.add_parser("timing", parents=[common], help="the training phase per generation, methods in turns")
     timer.add_argument("--seeds", nargs="+", type=int, required=True)
     timer.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     timer.add_argument("--generations", type=int, default=4, help="timed generation batches of every method")
     timer.add_argument("--eval-every", type=int, default=10**6)
     timer.add_argument("--threads", type=int, default=1)
-    timer.add_argument("--vllm", action="store_true")
-    summary = sub.add_parser("report", help="summarize every recorded seed into benchmarks/results/bench_reuse.json")
+    summary = sub.add_parser("report", parents=[common], help="summarize every recorded seed (the JSON and plot)")
     summary.add_argument("--generations", type=int, default=40)
     summary.add_argument("--eval-every", type=int, default=4)
-    summary.add_argument("--vllm", action="store_true")
     summary.add_argument("--plots", default=None, help="directory for the PNG plot (e.g. docs/images)")
+    summary.add_argument("--json", default=None, help="default: benchmarks/results/bench_reuse[_vllm].json")
     args = parser.parse_args(argv)
-    {"run": run, "timing": timing, "report": report}[args.command](args)
+    return {"run": run, "timing": timing, "report": report}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -315,3 +315,40 @@ def test_bench_audit_reports_each_designs_audit_readings(tmp_path, capsys):
     assert saved["rows"][1]["mean_model_error"] is None  # topk has no keep probabilities: no model-based error
     assert all(r["keep_rate"] == 0.25 and 0 <= r["kept_fraction"] <= 1 for r in rows)
     assert "| stratified | 0.25 |" in capsys.readouterr().out
+
+
+import bench_reuse  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_bench_reuse_counts_generations_times_the_training_in_turns_and_reports(tmp_path, capsys):
+    """The reuse benchmark at a minimal setting: learning runs of GRPO at mu 1 and 2 and DPPO at mu 2 (records
+    kept per seed; a second call runs nothing), their held-out scores at the same generation counts, the training
+    phase per generation timed in turns, and the summary with its projection."""
+    small = ["--train-prompts", "2", "--heldout", "4", "--prompts-per-step", "1", "--group-size", "4",
+             "--max-completion-length", "4", "--records", str(tmp_path / "records"), "--learning-records",
+             str(tmp_path / "none")]
+    methods = ["--methods", "grpo", "grpo@mu2", "dppo@mu2"]
+    bench_reuse.main(["run", "--seeds", "0", *methods, "--generations", "2", "--eval-every", "1", *small])
+    records = json.loads((tmp_path / "records" / "reuse_seed0_runs.json").read_text())["runs"]
+    steps = {run["method"]: len(run["steps"]) for run in records}
+    assert steps == {"grpo": 2, "grpo@mu2": 4, "dppo@mu2": 4}  # two generation batches each
+    for run in records:  # evaluated at 0, 1 and 2 generation batches
+        assert [e["progress"] for e in run["evals"]] == [0, 1, 2]
+    bench_reuse.main(["run", "--seeds", "0", *methods, "--generations", "2", "--eval-every", "1", *small])
+    assert json.loads((tmp_path / "records" / "reuse_seed0_runs.json").read_text())["runs"] == records
+    bench_reuse.main(["timing", "--seeds", "0", *methods, "--generations", "2", *small])
+    timed = json.loads((tmp_path / "records" / "timing_seed0_runs.json").read_text())["runs"]
+    assert {run["timing"] for run in timed} == {"in turns"}
+    out = tmp_path / "reuse.json"
+    summary = bench_reuse.main(["report", "--generations", "2", "--eval-every", "1", "--json", str(out),
+                                "--plots", str(tmp_path / "plots"), *small])
+    assert json.loads(out.read_text()) == summary
+    rows = {r["name"]: r for r in summary["results"]}
+    assert set(rows) == {"grpo", "grpo@mu2", "dppo@mu2"} and rows["grpo@mu2"]["num_iterations"] == 2
+    assert rows["grpo"]["training_ratio_per_generation"] == [1.0, 0.0]
+    assert rows["grpo@mu2"]["training_ratio_per_generation"][0] > 1.0  # two training passes a generation
+    assert summary["timing_seeds"] == [0] and summary["elapsed_s"] > 0
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 1
+    assert "Learning per generation" in capsys.readouterr().out

@@ -83,9 +83,10 @@ class GenerationBatch:
         ``kept_rows_per_rank`` in order) and their weights; everything else shared."""
         weights = self.iteration_weights[k]
         kept = weights > 0
+        flags = kept.tolist()
         return dataclasses.replace(
             self, keep=kept, iteration_weights=weights[None],
-            kept_rows_per_rank=[[r for r in rows if kept[r]] for rows in self.kept_rows_per_rank],
+            kept_rows_per_rank=[[r for r in rows if flags[r]] for rows in self.kept_rows_per_rank],
         )
 
     @property
