@@ -75,8 +75,8 @@ def pad_to_width(batch: dict, key: str, prompt_width: int, completion_width: int
     """``batch[key]`` padded to common widths, so the rows of several ranks can travel in one gather:
     ``prompt_*`` on the left (prompts are left-padded), tensors as wide as the completions on the right, with
     the value that means "nothing" for the key (the pad token for ids, 1 for the IS ratio, 0 otherwise). DPPO's own
-    entries (``dppo_*``) and other
-    shapes stay as they are, and so does the IS ratio when it is per sequence (``per_sequence_ratio``: (B, 1))."""
+    entries (``dppo_*``) and other shapes stay as they are, and so does the IS ratio when it is per sequence
+    (``per_sequence_ratio``: (B, 1))."""
     value = batch[key]
     if key.startswith("dppo_"):  # DPPO's per-row entries (a row's iteration weights are (B, num_iterations))
         return value
