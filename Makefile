@@ -168,7 +168,10 @@ REUSE_SEEDS ?= 0 1 2
 bench-reuse: $(STAMP) smollm2
 	for seed in $(REUSE_SEEDS); do MASTER_PORT=$$((29700 + seed)) HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 \
 		$(PY) benchmarks/bench_reuse.py run --seeds $$seed --part make & done; wait
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_reuse.py timing --seeds 0
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=131072 $(PY) benchmarks/bench_reuse.py timing --seeds 0 \
+		--methods grpo grpo@mu2 grpo@mu4 grpo@2lr --part grpo
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=131072 $(PY) benchmarks/bench_reuse.py timing --seeds 0 \
+		--methods grpo dppo dppo@mu2 dppo@mu4 dppo@mu8 --part dppo
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_reuse.py report --plots docs/images
 
 bench-real-vllm: $(VLLM_STAMP)

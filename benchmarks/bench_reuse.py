@@ -113,13 +113,17 @@ def run(args) -> None:
 
 def timing(args) -> None:
     """Each seed's methods in turns (one optimizer step each, in processes of their own), ``--generations`` generation
-    batches each after an untimed warm-up, recorded under ``timing_seed*_runs.json``."""
+    batches each (the first one's first-call costs left out: ``training_seconds_per_generation``), recorded under
+    ``timing_seed*_runs.json`` (a ``--part`` of its own for each group of methods: every group holds ``grpo``, the
+    base of its ratios, so that processes kept alive in turns fit in memory)."""
+    if BASE not in args.methods:
+        raise SystemExit(f"--methods must include {BASE}: every training ratio is to its run in the same turns")
     setup = {**setup_of(args), "evaluate": None}
     for seed in args.seeds:
-        path = records_path(args.records, seed, args.vllm, "timing")
+        path = records_path(args.records, seed, args.vllm, "timing", args.part)
         started = time.perf_counter()
         runs = run_methods({name: METHODS[name] for name in args.methods}, [seed], setup, started=started,
-                           label="timing ", in_turns=True, threads=args.threads, warmup=1)
+                           label="timing ", in_turns=True, threads=args.threads)
         write_json(path, {"runs": runs, "trainer_args": setup["trainer_args"],
                           "elapsed_s": time.perf_counter() - started}, compact=True)
 
@@ -166,20 +170,20 @@ def training_seconds_per_generation(run: dict) -> float:
 
 
 def training_ratios(args) -> tuple[dict, list[int], float]:
-    """{method: (mean, SE) over seeds of its training seconds a generation over GRPO (mu = 1)'s, same seed}, from
-    the runs taken in turns, their seeds and the seconds they took."""
-    per_method, seeds, elapsed = {}, [], 0.0
+    """{method: (mean, SE) over the runs in turns of its training seconds a generation over GRPO (mu = 1)'s in the
+    same turns (one record a seed and group of methods), the seeds and the seconds they took."""
+    per_method, seeds, elapsed = {}, set(), 0.0
     for path in sorted(glob.glob(str(records_path(args.records, "*", args.vllm, "timing")))):
         saved = read_json(path)
         elapsed += saved["elapsed_s"]
         by = {r["method"]: r for r in saved["runs"] if r.get("timing") == TIMING_IN_TURNS}
         if BASE not in by:
             continue
-        seeds.append(by[BASE]["seed"])
+        seeds.add(by[BASE]["seed"])
         base = training_seconds_per_generation(by[BASE])
         for method, run in by.items():
             per_method.setdefault(method, []).append(training_seconds_per_generation(run) / base)
-    return {m: mean_se(v) for m, v in per_method.items()}, seeds, elapsed
+    return {m: mean_se(v) for m, v in per_method.items()}, sorted(seeds), elapsed
 
 
 def summary_rows(runs: list[dict], training: dict) -> list[dict]:
@@ -355,6 +359,7 @@ def main(argv=None):
     timer.add_argument("--generations", type=int, default=4, help="timed generation batches of every method")
     timer.add_argument("--eval-every", type=int, default=10**6)
     timer.add_argument("--threads", type=int, default=1)
+    timer.add_argument("--part", default="", help="a name for this group's record (groups of methods, each with grpo)")
     summary = sub.add_parser("report", parents=[common], help="summarize every recorded seed (the JSON and plot)")
     summary.add_argument("--generations", type=int, default=40)
     summary.add_argument("--eval-every", type=int, default=4)
