@@ -281,7 +281,8 @@ def plot(runs: list[dict], rows: list[dict], projection: list[dict], directory: 
         length = min(len(c[0]) for c in curves)
         x = curves[0][0][:length]
         y = [statistics.mean(c[2][i] for c in curves) for i in range(length)]
-        style = dict(ls="-" if row["method"] == "dppo" else "--", marker="o", ms=3, label=row["name"])
+        style = dict(ls="-" if row["method"] == "dppo" else "--", marker="o", ms=3,
+                     label=f"{row['name']} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
         axes[0].plot(x, y, **style)
         if row["name"] in at and training[row["name"]] is not None:
             step = TARGET_SHARE + (1 - TARGET_SHARE) * training[row["name"]][0]  # GRPO mu = 1's step: 1
