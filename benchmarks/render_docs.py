@@ -833,7 +833,8 @@ def reuse_table(data: dict) -> str:
         ])
     header = ["method", "`num_iterations`", "learning rate", "seeds", "held-out: generations to 90%",
               "training reward: generations to 90%", "held-out final - GRPO's [95% CI]",
-              "training per generation", *[f"time at s = {s:g}" for s in shares]]
+              f"training per generation ({len(data['timing_seeds'])} seed(s) in turns)",
+              *[f"time at s = {s:g}" for s in shares]]
     return md_table(header, out)
 
 
