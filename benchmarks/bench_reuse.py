@@ -293,7 +293,8 @@ def plot(runs: list[dict], rows: list[dict], projection: list[dict], directory: 
                 title="Held-out score against projected time")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # the time panel is empty where no row has both factors
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(directory) / f"bench_reuse{tag}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
