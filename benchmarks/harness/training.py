@@ -219,8 +219,8 @@ def run_one(name, settings, seed, setup, turns=None):
     """Train one method (``settings``: DPPOConfig fields; None for TRL's GRPO, or ``{"trainer": "grpo", **fields}``
     for TRL's GRPO with these ``GRPOConfig`` fields) from ``setup["model_dir"]`` for ``setup["steps"]`` generation
     batches, ``num_iterations`` optimizer steps each (pruned methods go on for ``setup["extension"]`` more, used
-    only to see when they reach GRPO's final reward), or for ``setup["epochs"]`` epochs where given; return its per-step,
-    per-generation and evaluation records.
+    only to see when they reach GRPO's final reward), or for ``setup["epochs"]`` epochs where given; return its
+    per-step, per-generation and evaluation records.
 
     ``setup`` also holds ``reward_funcs``, ``train_dataset``, ``trainer_args`` (config fields of every method),
     ``eval_every``, and optionally ``evaluate`` (a function of the model and ``tokenizer=``), ``progress`` (what
