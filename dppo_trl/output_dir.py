@@ -14,6 +14,7 @@ from pathlib import Path
 from .preflight import PreflightError
 
 OUTPUTS_RECORD = ".dppo-trl-outputs.json"  # what dppo-trl wrote into this folder, by name
+SUMMARY_FILE = "dppo_summary.json"  # the run's summary (``hooks.summary``), written at the end of training
 
 # What a save writes at the top of a folder (transformers, PEFT, tokenizers, processors, TRL's card and table).
 SAVED_NAMES = (
@@ -23,7 +24,7 @@ SAVED_NAMES = (
     "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json", "processor_config.json", "completions",
+    "preprocessor_config.json", "processor_config.json", "completions", SUMMARY_FILE,
 )
 CHECKPOINT_PATTERN = "checkpoint-*"
 

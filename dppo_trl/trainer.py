@@ -25,8 +25,8 @@ DPPO's decisions from the hook that makes them to the passes that use them.
   check (``speed_check``): GRPO's passes timed once beside DPPO's, what the run saved in ``log``'s last call and the
   summary line (``hooks.summary``).
 - ``train``: refuses an ``output_dir`` holding a user's files that a save would overwrite or delete
-  (``dppo_trl.output_dir``); ``save_model``, ``_save_checkpoint`` and ``log`` (``completions/``) record what the
-  run wrote there.
+  (``dppo_trl.output_dir``), and writes the run's summary there at the end (``hooks.summary``); ``save_model``,
+  ``_save_checkpoint`` and ``log`` (``completions/``) record what the run wrote there.
 - Checkpoints: DPPO's state in one file (``hooks.checkpoint``); the model card names DPPO, and the completions
   table carries each row's keep decision and weight (``hooks.model_card``).
 
@@ -53,7 +53,7 @@ from .hooks.model_card import DPPOModelCard
 from .hooks.placement import RowPlacement
 from .hooks.prefix_sharing import PrefixSharing
 from .hooks.prompt_pruning import PromptPruning
-from .hooks.summary import DPPOSummaryCallback, RunClock
+from .hooks.summary import DPPOSummaryCallback, RunClock, write_summary
 from .hooks.weighted_loss import WeightedLoss
 from .hooks.weighted_metrics import WeightedMetrics
 from .output_dir import check_output_dir, record_outputs
@@ -124,7 +124,9 @@ class DPPOTrainer(
         self._varlen_attention = is_varlen_attention(attention)
         self._prefix_sharing = self._resolve_prefix_sharing(text_config, attention)
         self._run_clock = RunClock()
-        self.add_callback(DPPOSummaryCallback(self._run_clock, self._speed_summary, self._audit_summary))
+        self._summary = DPPOSummaryCallback(self._run_clock, self._speed_metrics, self._speed_summary,
+                                            self._audit_summary)
+        self.add_callback(self._summary)
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))
 
@@ -296,7 +298,19 @@ class DPPOTrainer(
         or delete (``dppo_trl.output_dir``; checked on every rank, before anything is written)."""
         check_output_dir(self.args.output_dir, resume_from_checkpoint, self.args.save_strategy != "no")
         self._run_started = time.time()
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        self._save_summary()
+        return output
+
+    def _save_summary(self) -> None:
+        """The run's summary into ``output_dir`` (``dppo_summary.json``) and, where a save wrote the model card
+        there, into the card (the final save writes it again)."""
+        if not self.args.should_save or self._summary.summary is None:
+            return
+        write_summary(self.args.output_dir, self._summary.summary)
+        if os.path.isfile(os.path.join(self.args.output_dir, "README.md")):
+            self._write_model_card()
+        self._record_outputs()
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """TRL's log; the run's last one (with ``train_runtime``) also gets what the run saved

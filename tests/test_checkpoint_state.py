@@ -14,7 +14,7 @@ from dppo_trl.hooks.checkpoint import STATE_FILE, load_dppo_state
 
 pytestmark = pytest.mark.slow
 
-AUDIT_TIME_RECORDS = ("train_time_ratio", "step_time_ratio", "generation_share")
+AUDIT_TIME_RECORDS = ("train_time_ratio", "step_time_ratio", "generation_share", "timed_token_fraction")
 SPEED_CHECK_RECORDS = ("speed_check_at",)
 OLD_FILES = {"prompt_pruning": "dppo_prompt_sampler.json", "audit": "dppo_audit.pt"}
 
@@ -75,6 +75,7 @@ def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_mod
         new_records = new_state["audit"]["records"]
         assert all(isinstance(new_records.pop(name), list) for name in AUDIT_TIME_RECORDS)
         assert all(isinstance(new_records.pop(name), int) for name in SPEED_CHECK_RECORDS)
+        assert new_records.pop("measuring_seconds") > 0
         new_state.pop("run")
     assert_same_state(old_state, new_state)
 

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.core.audit import run_speed_metrics, speed_check_batch
+from dppo_trl.core.audit import representative_timing, run_speed_metrics, speed_check_batch
 from dppo_trl.output_dir import OUTPUTS_RECORD, check_output_dir, foreign_outputs, record_outputs
 
 
@@ -44,12 +44,38 @@ def test_the_summary_and_the_tracker_carry_the_measured_ratio_without_the_audit(
     final = tracker.logs[-1]
     assert "train_runtime" in final
     step, run = final["dppo/speed_step_time_ratio"], final["dppo/speed_run_seconds"]
+    measuring = final["dppo/speed_measuring_seconds"]
     assert step == pytest.approx(timed[0]["dppo/audit_step_time_ratio"], rel=1e-6) and 0 < step
-    assert final["dppo/speed_projected_grpo_seconds"] == pytest.approx(run / step)
-    assert final["dppo/speed_projected_seconds_saved"] == pytest.approx(run / step - run)
+    # the speed check's own passes are not training: taken out of GRPO's projected time, counted in the run's
+    assert measuring == pytest.approx(timed[0]["dppo/audit_seconds"], rel=1e-6) and 0 < measuring < run
+    assert final["dppo/speed_projected_grpo_seconds"] == pytest.approx((run - measuring) / step)
+    assert final["dppo/speed_projected_seconds_saved"] == pytest.approx((run - measuring) / step - run)
     assert 0 < final["dppo/speed_generation_share"] < 1 and final["dppo/speed_train_time_ratio"] > 0
-    line = summary_line(capsys)
+    output = capsys.readouterr().out
+    line = [x for x in output.splitlines() if x.startswith("DPPO summary:")][-1]
     assert f"a step takes {step:.2f} of GRPO's time" in line and "projected time saved" in line
+    assert f"(the speed check took {measuring:.0f} s of this run, counted against the saving)" in line
+    assert "NOT REPRESENTATIVE" not in line
+    # the run says what it trains and where it writes, when it starts
+    folder = tmp_path / "out"
+    assert f"DPPO: training {tiny_model_dir} for 3 steps into output_dir {folder.resolve()}" in output
+    # the summary outlives the terminal: beside the model, recorded as the package's own
+    saved = json.loads((folder / "dppo_summary.json").read_text())
+    assert saved["line"] == line and saved["steps"] == 3 and saved["seconds"] == pytest.approx(run, rel=0.05)
+    assert saved["speed"]["step_time_ratio"] == step and saved["speed"]["measuring_seconds"] == measuring
+    assert "dppo_summary.json" in json.loads((folder / OUTPUTS_RECORD).read_text())
+
+
+def test_a_timed_batch_unlike_the_runs_is_flagged(tmp_path, tiny_model_dir, train_dataset, capsys, monkeypatch):
+    from dppo_trl.hooks import audit
+
+    seen = []
+    monkeypatch.setattr(audit, "representative_timing", lambda timed, run: seen.append((timed, run)) or False)
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3)
+    (timed, run), = seen
+    logged = [h["dppo/kept_token_fraction"] for h in trainer.state.log_history if "dppo/kept_token_fraction" in h]
+    assert run == pytest.approx(sum(logged) / len(logged)) and len(timed) == 1 and 0 <= timed[0] <= 1
+    assert f"NOT REPRESENTATIVE: the timed batch kept {timed[0]:.0%} of its completion tokens" in summary_line(capsys)
 
 
 def test_the_speed_check_leaves_training_unchanged(tmp_path, tiny_model_dir, train_dataset):
@@ -78,7 +104,17 @@ def test_the_speed_metrics_and_the_timed_batch():
     assert metrics["dppo/speed_step_time_ratio"] == 0.6 and metrics["dppo/speed_train_time_ratio"] == 0.3
     assert metrics["dppo/speed_projected_grpo_seconds"] == pytest.approx(100.0)
     assert metrics["dppo/speed_projected_seconds_saved"] == pytest.approx(40.0)
+    # the issue's run: 502 s, 108 s of them the speed check's, a step at 0.694 of GRPO's: GRPO ~567 s, saved ~66 s
+    honest = run_speed_metrics([0.1], [502 / 723], [0.6], 502.0, 108.0)
+    assert honest["dppo/speed_projected_grpo_seconds"] == pytest.approx(394 * 723 / 502)
+    assert round(honest["dppo/speed_projected_seconds_saved"]) == 65
     assert [speed_check_batch(n) for n in (1, 2, 9)] == [0, 1, 1]
+
+
+def test_a_timed_batch_stands_for_the_run_within_a_factor_of_two_of_its_kept_tokens():
+    assert representative_timing([0.3], 0.5) and representative_timing([0.9], 0.5)
+    assert not representative_timing([0.04], 0.47) and not representative_timing([0.9], 0.4)
+    assert representative_timing([], 0.5) and representative_timing([0.1], 0.0)  # nothing to compare
 
 
 def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, tiny_model_dir, train_dataset, capsys):
@@ -121,6 +157,23 @@ def test_the_saved_model_s_card_names_dppo_too(tmp_path, tiny_model_dir, train_d
     card = (tmp_path / "out" / "README.md").read_text()
     assert "This model was trained with DPPO" in card and "| `completion_keep_rate` | `0.5` |" in card
     assert "More Information Needed" not in card  # not PEFT's template
+    # a model loaded from a folder: TRL's template names no base model; the card names the folder
+    assert "None" not in card.split("## Quick start")[0] and f"the local model `{tiny_model_dir}`" in card
+    assert f'model="{tmp_path / "out"}"' in card and 'model="None"' not in card
+
+
+def test_the_card_of_a_trained_model_carries_the_runs_summary(tmp_path, tiny_model_dir, train_dataset):
+    trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3)
+    trainer.save_model(str(tmp_path / "out"))
+    card = (tmp_path / "out" / "README.md").read_text()
+    summary = json.loads((tmp_path / "out" / "dppo_summary.json").read_text())
+    assert "### This run" in card and f"`{summary['line']}`" in card and "| steps | 3 |" in card
+    assert f"{summary['speed']['projected_seconds_saved']:.0f} s of GRPO's" in card
+
+
+def test_a_users_own_summary_file_is_refused(tmp_path):
+    (tmp_path / "dppo_summary.json").write_text("{}")
+    assert foreign_outputs(tmp_path) == ["dppo_summary.json"]
 
 
 def test_the_completions_table_carries_each_rows_keep_decision_and_weight(tmp_path, tiny_model_dir, train_dataset):

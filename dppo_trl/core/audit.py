@@ -231,27 +231,46 @@ def projected_time_ratios(grpo: PhaseSeconds, dppo: PhaseSeconds, num_iterations
 
 
 def run_speed_metrics(train_ratios: list[float], step_ratios: list[float], generation_shares: list[float],
-                      run_seconds: float) -> dict:
-    """What a run saved, from its timed batches (``projected_time_ratios`` of each) and its wall seconds.
+                      run_seconds: float, measuring_seconds: float = 0.0) -> dict:
+    """What a run saved, from its timed batches (``projected_time_ratios`` of each), its wall seconds and the seconds
+    its measurements took (the speed check's and the audits' own passes, which GRPO would not run).
 
     Args:
         train_ratios, step_ratios, generation_shares: one value per timed batch.
-        run_seconds: the run's wall time.
+        run_seconds: the run's wall time, its measurements included.
+        measuring_seconds: the part of ``run_seconds`` spent measuring.
 
     Returns:
         ``dppo/speed_step_time_ratio``, ``dppo/speed_train_time_ratio``, ``dppo/speed_generation_share``
-        (medians over the timed batches), ``dppo/speed_projected_grpo_seconds`` (``run_seconds`` over the step
-        ratio: GRPO's time for the same steps, projected) and ``dppo/speed_projected_seconds_saved``; empty without
-        a timed batch.
+        (medians over the timed batches), ``dppo/speed_measuring_seconds``, ``dppo/speed_projected_grpo_seconds``
+        (the run's training time, its measurements taken out, over the step ratio: GRPO's time for the same steps,
+        projected) and ``dppo/speed_projected_seconds_saved`` (GRPO's projected time less the whole run's, so what
+        the measurements cost counts against the saving); empty without a timed batch.
     """
     if not step_ratios:
         return {}
     step = statistics.median(step_ratios)
-    grpo_seconds = run_seconds / step if step > 0 else float("nan")
+    grpo_seconds = (run_seconds - measuring_seconds) / step if step > 0 else float("nan")
     return {"dppo/speed_step_time_ratio": step, "dppo/speed_train_time_ratio": statistics.median(train_ratios),
             "dppo/speed_generation_share": statistics.median(generation_shares),
+            "dppo/speed_measuring_seconds": measuring_seconds,
             "dppo/speed_projected_grpo_seconds": grpo_seconds,
             "dppo/speed_projected_seconds_saved": grpo_seconds - run_seconds}
+
+
+# A timed batch stands for the run while the share of completion tokens it kept is within this factor of the
+# run's mean share: training time follows the kept tokens.
+REPRESENTATIVE_FACTOR = 2.0
+
+
+def representative_timing(timed_token_fractions: list[float], run_token_fraction: float) -> bool:
+    """Whether the timed batches kept about as many completion tokens as the run's batches did on average: their
+    median within ``REPRESENTATIVE_FACTOR`` of ``run_token_fraction`` either way (a batch that kept almost nothing,
+    e.g. one of groups without signal, times a training phase far shorter than the run's)."""
+    if not timed_token_fractions or not run_token_fraction > 0:
+        return True
+    ratio = statistics.median(timed_token_fractions) / run_token_fraction
+    return 1 / REPRESENTATIVE_FACTOR <= ratio <= REPRESENTATIVE_FACTOR
 
 
 def speed_check_batch(generation_batches: int) -> int:

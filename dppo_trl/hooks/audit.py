@@ -39,6 +39,7 @@ from ..core.audit import (
     make_sketch,
     measured_error_scale,
     projected_time_ratios,
+    representative_timing,
     run_speed_metrics,
     sketch_gradients,
     speed_check_batch,
@@ -78,7 +79,7 @@ class GradientAudit:
             self._audit_log = {"audits": 0, "no_signal": 0, "cosine": [], "ratio": [], "projection": [],
                                "bias_t": [], "alarm_at": None,
                                "train_time_ratio": [], "step_time_ratio": [], "generation_share": [],
-                               "speed_check_at": None}
+                               "timed_token_fraction": [], "measuring_seconds": 0.0, "speed_check_at": None}
         return self._audit_log
 
     def _audit_this_batch(self) -> str | None:
@@ -217,6 +218,7 @@ class GradientAudit:
             records["no_signal"] += audit.kind == _NO_SIGNAL
         if not audit.rows:  # a counted batch without signal; its cost: telling it apart
             self._metrics["train"]["dppo/audit_seconds"].append(audit.seconds)
+            records["measuring_seconds"] += audit.seconds
             return
         start = time.perf_counter() - audit.seconds  # the reference's log-prob passes count too
         with torch.random.fork_rng(devices=[]):
@@ -224,15 +226,18 @@ class GradientAudit:
             reference = shuffle_sequence_dict(audit.rows)
         grpo_batches = split_tensor_dict(reference, self.args.steps_per_generation)
         (grpo, dppo), (grpo_seconds, dppo_seconds) = self._audited_gradients(grpo_batches, dppo_microbatches)
+        seconds = time.perf_counter() - start
+        records["measuring_seconds"] += seconds
         if audit.counted:
-            self._record_audit(dppo, grpo, time.perf_counter() - start, batch)
+            self._record_audit(dppo, grpo, seconds, batch)
         else:
-            self._metrics["train"]["dppo/audit_seconds"].append(time.perf_counter() - start)
+            self._metrics["train"]["dppo/audit_seconds"].append(seconds)
         if records["speed_check_at"] is None:
             records["speed_check_at"] = self.state.global_step
         generation = batch.generation_seconds
         self._record_audit_times(PhaseSeconds(generation, audit.grpo_logps_seconds, grpo_seconds),
-                                 PhaseSeconds(generation, batch.logps_seconds, dppo_seconds))
+                                 PhaseSeconds(generation, batch.logps_seconds, dppo_seconds),
+                                 batch.iteration(0).kept_token_fraction)
 
     def _audited_gradients(self, grpo_batches: list[dict], dppo_batches: list[dict]) -> tuple:
         """``((grpo, dppo), (grpo seconds, dppo seconds))``: the sketched sums, over each list of micro-batches, of
@@ -315,10 +320,11 @@ class GradientAudit:
                 self._add_to_bias_statistic(comparison["projection"])
         metrics["dppo/audit_seconds"].append(seconds)
 
-    def _record_audit_times(self, grpo: PhaseSeconds, dppo: PhaseSeconds) -> None:
+    def _record_audit_times(self, grpo: PhaseSeconds, dppo: PhaseSeconds, kept_token_fraction: float) -> None:
         """Log what pruning saves on this machine, from the audited batch's phases at the same parameters:
         ``dppo/audit_train_time_ratio`` (log-prob and gradient passes), ``dppo/audit_step_time_ratio`` (with
-        generation, projected) and ``dppo/audit_generation_share`` (generation's share of GRPO's step)."""
+        generation, projected) and ``dppo/audit_generation_share`` (generation's share of GRPO's step); and the
+        share of completion tokens the timed iteration kept (whether the timing stands for the run)."""
         ratios = projected_time_ratios(grpo, dppo, self.num_iterations)
         if ratios is None:
             return
@@ -326,6 +332,7 @@ class GradientAudit:
         for name, value in ratios.items():
             metrics[f"dppo/audit_{name}"].append(value)
             records[name].append(value)
+        records["timed_token_fraction"].append(kept_token_fraction)
 
     def _add_to_bias_statistic(self, projection: float) -> None:
         records, metrics = self._audit_records(), self._metrics["train"]
@@ -367,28 +374,43 @@ class GradientAudit:
 
     def _speed_metrics(self, run_seconds: float) -> dict:
         """What the run saved, for the final log (``report_to``): the measured ratios (the median over the timed
-        batches) and the projection over ``run_seconds``; empty before any batch was timed."""
+        batches) and the projection over ``run_seconds``, what the speed check and audits took counted against the
+        saving; empty before any batch was timed."""
         records = self._audit_records()
         return run_speed_metrics(records["train_time_ratio"], records["step_time_ratio"], records["generation_share"],
-                                 run_seconds)
+                                 run_seconds, records["measuring_seconds"])
 
     def _speed_summary(self, run_seconds: float) -> str | None:
         """The summary line's part on what the run saved, or why it was not measured (None on GRPO's path or with
         ``speed_check=False`` and no audit)."""
         metrics = self._speed_metrics(run_seconds)
         if metrics:
-            timed = len(self._audit_records()["step_time_ratio"])
-            step, train, share, grpo, saved = (metrics[f"dppo/speed_{name}"] for name in (
+            records = self._audit_records()
+            timed = len(records["step_time_ratio"])
+            step, train, share, grpo, saved, measuring = (metrics[f"dppo/speed_{name}"] for name in (
                 "step_time_ratio", "train_time_ratio", "generation_share", "projected_grpo_seconds",
-                "projected_seconds_saved"))
+                "projected_seconds_saved", "measuring_seconds"))
             reuse = (f"; each generation batch trained num_iterations={self.num_iterations} times, every "
                      "iteration counted" if self.num_iterations > 1 else "")
+            what = "the speed check and the audits" if records["audits"] else "the speed check"
             return (f"measured here: a step takes {step:.2f} of GRPO's time (training {train:.2f}, generation "
                     f"{share:.0%} of GRPO's step; {timed} batch{'es' if timed > 1 else ''} timed{reuse}), projected "
-                    f"time saved {saved:.0f} s of GRPO's {grpo:.0f} s")
+                    f"time saved {saved:.0f} s of GRPO's {grpo:.0f} s ({what} took {measuring:.0f} s of this run, "
+                    f"counted against the saving){self._timing_caveat(records['timed_token_fraction'])}")
         if not self.args.speed_check or not self.args.dppo_training_path:
             return None
         return f"speed not measured: {self._speed_check_refusal() or 'the run ended before its timed batch'}"
+
+    def _timing_caveat(self, timed_token_fractions: list[float]) -> str:
+        """The summary line's warning when the timed batches kept far more or fewer completion tokens than the
+        run's batches did on average ("" when they stand for the run)."""
+        logged = [h["dppo/kept_token_fraction"] for h in self.state.log_history if "dppo/kept_token_fraction" in h]
+        run = statistics.fmean(logged) if logged else 0.0
+        if representative_timing(timed_token_fractions, run):
+            return ""
+        timed = statistics.median(timed_token_fractions)
+        return (f"; NOT REPRESENTATIVE: the timed batch kept {timed:.0%} of its completion tokens, the run's batches "
+                f"{run:.0%} on average, so the projection is not this run's")
 
     def _audit_state_dict(self) -> dict | None:
         """The audit history for a checkpoint: a resumed run goes on with the bias statistic and the measured/model

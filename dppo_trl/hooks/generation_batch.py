@@ -90,6 +90,12 @@ class GenerationBatch:
         )
 
     @property
+    def kept_token_fraction(self) -> float:
+        """The share of the batch's completion tokens in the rows ``keep`` holds."""
+        completion = self.row_tokens[:, 1].double()
+        return float(completion[self.keep].sum() / completion.sum().clamp(min=1))
+
+    @property
     def sequence_lengths(self) -> torch.Tensor:
         """(N,) each row's prompt plus completion tokens."""
         return self.row_tokens[:, :2].sum(1)

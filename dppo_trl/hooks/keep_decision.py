@@ -169,12 +169,11 @@ class KeepDecision:
         """The ``dppo/*`` metrics of one iteration's decision; ``batch.weights`` include the prompt weights."""
         metrics = self._metrics["train"]
         keep, weights, pi = batch.keep, batch.weights, batch.keep_probabilities
-        completion = batch.row_tokens[:, 1].double()
         sequence = batch.sequence_lengths.double()
         n = keep.numel()
         metrics["dppo/kept_fraction"].append(float(keep.float().mean()))
         metrics["dppo/kept_prompt_fraction"].append(float(keep.view(-1, self.num_generations).any(1).float().mean()))
-        metrics["dppo/kept_token_fraction"].append(float(completion[keep].sum() / completion.sum().clamp(min=1)))
+        metrics["dppo/kept_token_fraction"].append(batch.kept_token_fraction)
         metrics["dppo/zero_advantage_fraction"].append(float((scores == 0).float().mean()))
         metrics["dppo/ess"].append(effective_sample_size(weights[keep]))
         metrics["dppo/weight_max"].append(float(weights.max()) if n else 0.0)

@@ -2,16 +2,17 @@
 and this package (TRL's card, with ``_name`` and ``_paper`` DPPO's), and a section lists DPPO's settings of the run; the
 completions table (``log_completions``) gets each completion's keep decision and weight.
 
-Reads of the host trainer: ``args``, ``_logs`` (TRL's completions table), ``create_model_card`` (TRL's)."""
+Reads of the host trainer: ``args``, ``model``, ``_logs`` (TRL's completions table), ``create_model_card`` (TRL's),
+``_summary`` (the run's summary, ``hooks.summary``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import textwrap
 from pathlib import Path
 
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import get_config_model_id
 
 from .._version import __version__
 from .generation_batch import GenerationBatch
@@ -39,8 +40,26 @@ def dppo_settings(args) -> dict:
     return {**{name: getattr(args, name) for name in _GRPO_FIELDS}, **own}
 
 
-def dppo_card_section(args, version: str) -> str:
-    """The model card's DPPO section: what was trained, the package, the settings and GRPO's citation."""
+def run_card_lines(summary: dict) -> str:
+    """The card's account of the run: its summary line's figures, as a table."""
+    speed = summary.get("speed") or {}
+    rows = [("steps", summary["steps"]), ("wall time", f"{summary['seconds']:.0f} s"),
+            ("reward, first -> last log", f"{summary.get('reward_first_log')} -> {summary.get('reward_last_log')}")]
+    for key, label in (("kept_fraction", "completions kept"), ("prompt_accepted_fraction", "prompts accepted")):
+        if key in summary:
+            rows.append((label, f"{summary[key]:.3f}"))
+    if speed:
+        rows += [("step time / GRPO's (measured on this run)", f"{speed['step_time_ratio']:.2f}"),
+                 ("projected time saved", f"{speed['projected_seconds_saved']:.0f} s of GRPO's "
+                                          f"{speed['projected_grpo_seconds']:.0f} s (measuring's "
+                                          f"{speed['measuring_seconds']:.0f} s counted against it)")]
+    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
+    return f"\n### This run\n\n| | |\n|---|---|\n{table}\n\n`{summary['line']}`\n"
+
+
+def dppo_card_section(args, version: str, summary: dict | None = None) -> str:
+    """The model card's DPPO section: what was trained, the package, the settings, the run's summary where it
+    ended, and GRPO's citation."""
     rows = "\n".join(f"| `{name}` | `{value!r}` |" for name, value in dppo_settings(args).items())
     return (
         "\n## DPPO\n\n"
@@ -48,9 +67,17 @@ def dppo_card_section(args, version: str) -> str:
         "([arXiv 2603.04135](https://arxiv.org/abs/2603.04135)). Its objective is GRPO's (TRL's `GRPOTrainer`). "
         "Each step trains on a random subset of the completions, each kept one weighted by 1 / its keep "
         "probability (Horvitz-Thompson), so the expected gradient is GRPO's.\n\n"
-        f"| setting | value |\n|---|---|\n{rows}\n\n"
+        f"| setting | value |\n|---|---|\n{rows}\n"
+        f"{run_card_lines(summary) if summary else ''}\n"
         f"Cite GRPO, whose objective DPPO estimates, as:\n\n```bibtex\n{GRPOTrainer._paper['citation']}\n```\n"
     )
+
+
+def name_local_model(card: str, model_path: str, output_dir: str) -> str:
+    """TRL's card for a model loaded from a folder names no base model ("[None](https://huggingface.co/None)")
+    and loads ``model="None"`` in its quick start: name the folder, and load the model from ``output_dir``."""
+    card = card.replace("[None](https://huggingface.co/None)", f"the local model `{model_path}`")
+    return card.replace('model="None"', f"model={str(output_dir)!r}".replace("'", '"'))
 
 
 class DPPOModelCard:
@@ -64,9 +91,11 @@ class DPPOModelCard:
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if not self.is_world_process_zero():
             return
-        path = os.path.join(self.args.output_dir, "README.md")
-        with open(path, "a", encoding="utf-8") as card:
-            card.write(dppo_card_section(self.args, __version__))
+        path = Path(self.args.output_dir, "README.md")
+        base = get_config_model_id(self.model.config) or "(built in memory, without a name)"
+        card = name_local_model(path.read_text(encoding="utf-8"), base, self.args.output_dir)
+        summary = self._summary.summary if "_summary" in self.__dict__ else None
+        path.write_text(card + dppo_card_section(self.args, __version__, summary), encoding="utf-8")
 
     def _write_model_card(self) -> None:
         """The model card into ``output_dir``, named as TRL names it at a checkpoint (its ``_save_checkpoint``): the
