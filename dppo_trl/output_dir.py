@@ -80,10 +80,11 @@ def check_output_dir(output_dir, resume_from_checkpoint=None, saves_checkpoints:
     if not foreign:
         return
     shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+    has_checkpoints = any(fnmatch.fnmatch(entry.name, CHECKPOINT_PATTERN) for entry in Path(output_dir).iterdir())
+    resume = ", or resume from one of its checkpoints (resume_from_checkpoint)" if has_checkpoints else ""
     raise PreflightError(
         f"output_dir={str(output_dir)!r} holds {shown}, which this run's saves would overwrite or delete and which "
-        "dppo-trl did not write. Choose a new or empty output_dir, move those files away, or resume from one of "
-        "its checkpoints (resume_from_checkpoint)."
+        f"dppo-trl did not write. Choose a new or empty output_dir or move those files away{resume}."
     )
 
 

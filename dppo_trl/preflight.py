@@ -1,5 +1,6 @@
 """The mistakes that are not config values, found before anything loads: a reward function that does not import, a
-model path that does not exist, a dataset whose rows have no ``prompt``. Each is a ``PreflightError`` (a
+model path that does not exist, a dataset whose rows have no ``prompt``, a tracker in ``report_to`` that is not
+installed. Each is a ``PreflightError`` (a
 ``ValueError``) of one line that names the field and what to fix. ``dppo-trl`` checks the reward functions and the
 model paths when it parses its command line (``cli.arguments.check_inputs``); ``DPPOTrainer`` checks its own inputs
 (``check_trainer_inputs``) before ``GRPOTrainer.__init__`` loads the model. Nothing here imports TRL or reaches the
@@ -194,13 +195,46 @@ def _check_reward_object(func, field: str, cache_dir: str | None) -> None:
         )
 
 
+# The trackers `report_to` names whose installed package transformers detects
+# (`get_available_reporting_integrations`), with the pip package each needs.
+TRACKER_PACKAGES = {
+    "clearml": "clearml", "codecarbon": "codecarbon", "comet_ml": "comet_ml", "dagshub": "dagshub",
+    "dvclive": "dvclive", "kubeflow": "kubeflow", "mlflow": "mlflow", "neptune": "neptune", "swanlab": "swanlab",
+    "tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb",
+}
+
+
+def check_report_to(report_to, field: str = "report_to") -> None:
+    """Each tracker ``report_to`` names is one transformers knows, and its package is installed (else transformers
+    stops with a traceback once the model has loaded): one line with the pip command."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    names = [name for name in names if name not in ("none", "all")]
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise PreflightError(f"{field}={name!r} is not a tracker transformers reports to; one of "
+                                 f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, 'all' or 'none'."
+                                 f"{_did_you_mean(name, INTEGRATION_TO_CALLBACK)}")
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in names if name in TRACKER_PACKAGES and name not in available]
+    if missing:
+        packages = " ".join(TRACKER_PACKAGES[name] for name in missing)
+        raise PreflightError(f"{field} names {', '.join(missing)}, which is not installed: `pip install {packages}`, "
+                             "or leave it out of report_to (report_to='none' reports to no tracker).")
+
+
 def check_trainer_inputs(model, reward_funcs, train_dataset, eval_dataset, args, environment_factory=None) -> None:
-    """``DPPOTrainer``'s inputs that ``GRPOTrainer`` would otherwise refuse only after loading the model: a model
-    path, the reward functions, and a ``prompt`` column in each dataset (not needed with an ``environment_factory``,
-    whose ``reset()`` may give the prompt). ``args``: the config, whose ``model_init_kwargs`` may name a
-    ``cache_dir``."""
+    """``DPPOTrainer``'s inputs that ``GRPOTrainer`` would otherwise refuse only after loading the model: the
+    trackers of ``report_to``, a model path, the reward functions, and a ``prompt`` column in each dataset (not
+    needed with an ``environment_factory``, whose ``reset()`` may give the prompt). ``args``: the config, whose
+    ``model_init_kwargs`` may name a ``cache_dir``."""
     init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
     cache_dir = init_kwargs.get("cache_dir")
+    check_report_to(args.report_to)
     if isinstance(model, str):
         check_model_path(model, "model", cache_dir)
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]

@@ -1,6 +1,8 @@
 """The `dppo-trl` command line: every recipe parses and ships with the package (found by name as well as by
 path), unknown keys, bad values, reward functions that do not import, missing models and a dataset without a
-prompt column stop it before anything is loaded with a `dppo-trl:` line and exit status 2,
+prompt column, a tracker that is not installed and `--resume_from_checkpoint true` without a checkpoint stop it
+before anything is loaded with a `dppo-trl:` line and exit status 2 (`true` otherwise resumes the last one), Ctrl-C
+ends it with one line and the command that resumes,
 flags override YAML, launch options are recognised, `--help` leads with DPPO's options by group (TRL's are
 behind `--help-all`), a LoRA run trains and saves its adapter, and --num_processes N > 1 starts N processes on the
 CPU (or is refused where accelerate would start one)."""
@@ -567,3 +569,87 @@ def test_two_processes_print_the_datasets_line_once_and_exit_2(tmp_path, tiny_mo
     assert status == 2, output[-3000:]
     assert output.count("dppo-trl: train_dataset has no 'prompt' column (its columns: question, ") == 1, output
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(
+    "report_to, expected",
+    [
+        ("tensorboard", "dppo-trl: report_to names tensorboard, which is not installed: `pip install tensorboard`"),
+        ("tensorbord", "dppo-trl: report_to='tensorbord' is not a tracker transformers reports to;"),
+    ],
+)
+def test_a_tracker_that_is_not_installed_is_one_line_before_anything_loads(report_to, expected, tmp_path,
+                                                                          tiny_model_dir, monkeypatch, capsys):
+    from transformers.integrations import integration_utils
+
+    monkeypatch.setattr(integration_utils, "get_available_reporting_integrations", lambda: [])  # none installed
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n")
+    line = refused_before_loading(["--config", config, "--report_to", report_to], monkeypatch, capsys)
+    assert line.startswith(expected)
+    assert report_to == "tensorboard" or "Did you mean 'tensorboard'?" in line
+
+
+def test_resume_from_checkpoint_true_resumes_the_last_checkpoint_of_output_dir(tmp_path, tiny_model_dir, monkeypatch,
+                                                                             capsys):
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n")
+    argv = ["--config", config, "--resume_from_checkpoint", "true"]
+    line = refused_before_loading(argv, monkeypatch, capsys)
+    assert line.startswith("dppo-trl: resume_from_checkpoint=true: output_dir=") and "holds no checkpoint-*" in line
+    for step in (2, 10):
+        (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
+    resumed = []
+    monkeypatch.setattr("dppo_trl.cli.run", lambda script, training, *rest: resumed.append(training))
+    assert main(argv) == 0
+    assert resumed[0].resume_from_checkpoint == str(tmp_path / "out" / "checkpoint-10")  # the last, as Trainer's
+    assert main(["--config", config, "--resume_from_checkpoint", "false"]) == 0
+    assert resumed[1].resume_from_checkpoint is None
+
+
+def test_a_refusal_without_checkpoints_does_not_suggest_resuming(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "README.md").write_text("my notes")
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1\n")
+    line = refused_before_loading(["--config", config], monkeypatch, capsys)
+    assert "README.md" in line and "resume" not in line
+
+
+def test_the_interruption_line(tmp_path):
+    from dppo_trl.cli.runtime import interruption_line
+
+    folder = tmp_path / "out"
+    assert interruption_line(None, str(folder), []) == (
+        f"dppo-trl: interrupted; no checkpoint was saved in {folder}: there is none to resume from.")
+    (folder / "checkpoint-3").mkdir(parents=True)
+    trainer = argparse.Namespace(state=argparse.Namespace(global_step=4, max_steps=40), args=None)
+    line = interruption_line(trainer, str(folder), ["--config", "my run.yaml", "--resume_from_checkpoint", "x"])
+    assert line == (f"dppo-trl: interrupted at step 4 of 40; the checkpoints in {folder} are kept (the last: "
+                    "checkpoint-3). Resume with: dppo-trl --config 'my run.yaml' --resume_from_checkpoint true")
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_ends_the_run_with_one_line_and_the_resume_command(tmp_path, tiny_model_dir):
+    """Ctrl-C (SIGINT) during training: no traceback, one line with the step reached and the command that resumes
+    from the last checkpoint, status 130."""
+    import signal
+    import time
+
+    config = tiny_run_config(tmp_path, tiny_model_dir, "max_steps: 1000\nsave_strategy: steps\nsave_steps: 1\n")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "dppo_trl", "--config", config], cwd=REPO, stdout=out,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                   start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not (tmp_path / "out" / "checkpoint-2").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+        finally:
+            kill_process_tree(process.pid)
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    line = [x for x in text.splitlines() if x.startswith("dppo-trl: interrupted at step ")]
+    assert len(line) == 1 and line[0].endswith(f"Resume with: dppo-trl --config {config} --resume_from_checkpoint "
+                                               "true"), text[-3000:]
+    assert re.search(r"the checkpoints in .* are kept \(the last: checkpoint-\d+\)", line[0])

@@ -237,6 +237,22 @@ def test_the_trainer_refuses_before_grpo_trainer_loads_anything(inputs, expected
     assert "\n" not in str(error.value)
 
 
+def test_the_trainer_refuses_a_tracker_that_is_not_installed_before_loading(tmp_path, tiny_model_dir,
+                                                                             no_model_loads, monkeypatch):
+    from transformers.integrations import integration_utils
+
+    monkeypatch.setattr(integration_utils, "get_available_reporting_integrations", lambda: ["wandb"])
+    for report_to, expected in ((["tensorboard", "wandb"], r"^report_to names tensorboard, which is not installed: "
+                                 r"`pip install tensorboard`"),
+                                ("mlflw", r"^report_to='mlflw' is not a tracker .* Did you mean 'mlflow'\?$")):
+        with pytest.raises(ValueError, match=expected):
+            DPPOTrainer(tiny_model_dir, random_reward, args=cpu_config(tmp_path, report_to=report_to),
+                        train_dataset=addition_prompts(8))
+    with pytest.raises(Reached):  # an installed tracker, and "none", pass
+        DPPOTrainer(tiny_model_dir, random_reward, args=cpu_config(tmp_path, report_to=["wandb"]),
+                    train_dataset=addition_prompts(8))
+
+
 def prompt_rows():
     yield {"prompt": "1+1=", "answer": "2"}
 

@@ -40,9 +40,19 @@ from .arguments import (
     split_launch_args,
     split_launch_keys,
 )
-from .launch import _exit_without_finalizers, launch, needs_launch, plan_launch, process_plan, report
+from .launch import (
+    _exit_without_finalizers,
+    is_main_process,
+    launch,
+    needs_launch,
+    plan_launch,
+    process_plan,
+    report,
+)
 from .recipes import bundled_recipes, recipes_dir
-from .runtime import _dppo_in_place_of_grpo, _reasoning_gym_as_dataset
+from .runtime import _dppo_in_place_of_grpo, _reasoning_gym_as_dataset, interruption_line
+
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it
 
 __all__ = [
     "CLIError",
@@ -62,7 +72,7 @@ __all__ = [
 ]
 
 
-def run(script_args, training_args, model_args, dataset_args) -> None:
+def run(script_args, training_args, model_args, dataset_args, made: list | None = None) -> None:
     """TRL's GRPO training script with DPPOTrainer. A process of a group of CPU processes (gloo) ends right after
     the script (which saved the model and destroyed the process group), without freeing the trainer: freeing
     DDP's reducer frees its gloo process group, whose destructor joins gloo's worker thread while holding the
@@ -71,7 +81,7 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
     ``_exit_without_finalizers``: the exit handlers run (a tracker's final sync), only the finalizers do not."""
     from trl.scripts.grpo import main as grpo_main
 
-    made: list = []
+    made = [] if made is None else made  # the trainer TRL's script builds, appended when it is built
     evaluates = training_args.eval_strategy != "no"
     with _dppo_in_place_of_grpo(made), _reasoning_gym_as_dataset(script_args, evaluates):
         grpo_main(script_args, training_args, model_args, dataset_args)
@@ -83,10 +93,13 @@ def run(script_args, training_args, model_args, dataset_args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``dppo-trl ARGV``: every check, then the launch or the run. A ``CLIError`` (from the checks, or from the
     trainer's own checks of what TRL's script loaded) is printed as its one line before it exits; under a launch
-    of several processes, each of which meets it, once (``launch.report``)."""
+    of several processes, each of which meets it, once (``launch.report``). Ctrl-C ends it with one line
+    (``interruption_line``) and status 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    made, output_dir, plan = [], None, None
     try:
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
+        output_dir = training_args.output_dir
         _expand_model_path(model_args)
         _check_demo_prepared(script_args, model_args)
         plan = plan_launch(launch_args, training_argv, training_args.use_cpu) if needs_launch(launch_args) else None
@@ -94,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         if plan is not None:
             launch(*plan)
         else:
-            run(script_args, training_args, model_args, dataset_args)
+            run(script_args, training_args, model_args, dataset_args, made)
     except CLIError as error:
         report(error)
         raise
+    except KeyboardInterrupt:
+        if plan is None and is_main_process():  # under a launch, its main process says it
+            print(interruption_line(made[-1] if made else None, output_dir, argv), file=sys.stderr, flush=True)
+        return INTERRUPTED
     return 0

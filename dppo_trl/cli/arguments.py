@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ..output_dir import check_output_dir
-from ..preflight import PreflightError, check_model_path, check_reward_funcs
+from ..preflight import PreflightError, check_model_path, check_report_to, check_reward_funcs
 from .recipes import bundled_recipes
 
 _NOT_LAUNCH_OPTIONS = {"help", "module", "no_python"}  # `accelerate launch` options that dppo-trl sets or refuses
@@ -335,11 +335,29 @@ def _check_demo_prepared(script_args, model_args) -> None:
             )
 
 
+def resolve_resume(value, output_dir) -> str | None:
+    """``--resume_from_checkpoint``: ``true`` means the last ``checkpoint-*`` of ``output_dir``, as
+    ``Trainer.train(resume_from_checkpoint=True)`` takes it (TRL's script passes the string on, which transformers
+    reads as a path); ``false`` means none; anything else is a checkpoint's path."""
+    if not isinstance(value, str) or value.lower() not in ("true", "false"):
+        return value
+    if value.lower() == "false":
+        return None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if last is None:
+        raise PreflightError(f"resume_from_checkpoint=true: output_dir={str(output_dir)!r} holds no checkpoint-* "
+                             "folder to resume from. Pass a checkpoint's path, or start afresh without it.")
+    return last
+
+
 def check_inputs(script_args, training_args, model_args) -> None:
-    """The model and reward model paths and the reward functions name what exists (``dppo_trl.preflight``), and
-    ``output_dir`` holds nothing of the user's that the run's saves would overwrite or delete
-    (``dppo_trl.output_dir``), checked before anything loads; the dataset's ``prompt`` column is checked by the
-    trainer, once TRL's script loaded it."""
+    """The model and reward model paths and the reward functions name what exists and the trackers of
+    ``report_to`` are installed (``dppo_trl.preflight``), ``resume_from_checkpoint=true`` finds a checkpoint
+    (``resolve_resume``), and ``output_dir`` holds nothing of the user's that the run's saves would overwrite or
+    delete (``dppo_trl.output_dir``), checked before anything loads; the dataset's ``prompt`` column is checked by
+    the trainer, once TRL's script loaded it."""
     init_kwargs = training_args.model_init_kwargs if isinstance(training_args.model_init_kwargs, dict) else {}
     cache_dir = init_kwargs.get("cache_dir")
     try:
@@ -350,6 +368,9 @@ def check_inputs(script_args, training_args, model_args) -> None:
         if script_args.reward_model_name_or_path:
             check_model_path(script_args.reward_model_name_or_path, "reward_model_name_or_path", cache_dir)
         check_reward_funcs(script_args.reward_funcs)
+        check_report_to(training_args.report_to)
+        training_args.resume_from_checkpoint = resolve_resume(training_args.resume_from_checkpoint,
+                                                              training_args.output_dir)
         check_output_dir(training_args.output_dir, training_args.resume_from_checkpoint,
                          training_args.save_strategy != "no")
     except PreflightError as error:

@@ -1,11 +1,14 @@
 """What changes at run time for TRL's GRPO training script, each for the length of a ``with`` block and undone
 after it: ``trl.GRPOTrainer`` builds DPPOTrainer, and ``datasets.load_dataset`` gives a ``reasoning_gym_task``'s
-rows (``dppo_trl.tasks.reasoning_gym``) for the dataset name the script loads."""
+rows (``dppo_trl.tasks.reasoning_gym``) for the dataset name the script loads; and the line an interrupted run
+ends with (``interruption_line``)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import shlex
 
 
 @contextlib.contextmanager
@@ -71,3 +74,28 @@ def _reasoning_gym_as_dataset(script_args, with_test_split: bool = False):
         yield
     finally:
         datasets.load_dataset = original
+
+
+def interruption_line(trainer, output_dir: str | None, argv: list[str]) -> str:
+    """The one line a run stopped by Ctrl-C ends with: the step it reached (where the trainer was built), the last
+    checkpoint kept in ``output_dir`` and the command that resumes from it (``argv`` with
+    ``--resume_from_checkpoint true``), or that there is none to resume from."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    reached = ""
+    if trainer is not None:
+        reached = f" at step {trainer.state.global_step} of {trainer.state.max_steps or trainer.args.max_steps}"
+    last = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+    if last is None:
+        return f"dppo-trl: interrupted{reached}; no checkpoint was saved in {output_dir}: there is none to resume from."
+    resume, i = [], 0
+    while i < len(argv):  # argv without an earlier --resume_from_checkpoint
+        if argv[i] == "--resume_from_checkpoint":
+            i += 2
+            continue
+        if not argv[i].startswith("--resume_from_checkpoint="):
+            resume.append(argv[i])
+        i += 1
+    command = shlex.join(["dppo-trl", *resume, "--resume_from_checkpoint", "true"])
+    return (f"dppo-trl: interrupted{reached}; the checkpoints in {output_dir} are kept (the last: "
+            f"{os.path.basename(last)}). Resume with: {command}")
