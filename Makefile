@@ -83,8 +83,10 @@ test-wheel: $(DEV_STAMP)
 # GRPO and DPPO side by side on the real model (SmolLM2-135M-Instruct + LoRA, reasoning-gym chain_sum), their steps
 # taken in turns in two processes: a table, outputs/demo/grpo_vs_dppo.png and .json (python -m dppo_trl.side_by_side;
 # a thread a core).
+# STEPS: each method's optimizer steps (make demo STEPS=20).
+STEPS ?= 8
 demo: $(STAMP) smollm2
-	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.side_by_side
+	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.side_by_side --steps $(STEPS)
 
 # The tiny model, for machines without the real one: the warm start (`python -m dppo_trl.demo prepare`), then the
 # CLI (`dppo-trl --config cpu-demo`): about 4 minutes on 2 CPU cores.

@@ -101,8 +101,9 @@ def progress_callback(name: str, steps: int, turns):
                 kept = logs.get("dppo/kept_fraction", 1.0)
                 record = dict(step=state.global_step, wall=turns.elapsed(), reward=logs["reward"], kept=kept)
                 self.records.append(record)
+                left = record["wall"] / record["step"] * (steps - record["step"])  # at its mean step time so far
                 print(f"{name:>4} step {record['step']:>3}/{steps}  reward {record['reward']:.2f}  kept {kept:.2f}"
-                      f"  {record['wall']:6.1f} s", flush=True)
+                      f"  {record['wall']:6.1f} s, about {left:.0f} s of its steps left", flush=True)
 
     return Progress()
 
@@ -218,12 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     from . import smollm2
     from .interleave import run_in_turns
 
+    if args.steps < 2 * EDGE:
+        print(f"Warning: --steps {args.steps} is under {2 * EDGE}: the reward at the start and at the end average the "
+              f"first and the last {EDGE} steps, which overlap, so they read partly the same steps.", flush=True)
     quiet_libraries()
     started = time.perf_counter()
     model_dir = str(smollm2.ensure(args.model))
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     settings = trainer_settings(output_dir, args.steps, args.seed)
+    print(f"Loading {Path(model_dir).name} for GRPO and DPPO, each in a process of its own, then {args.steps} steps "
+          "of each in turns: the first step comes in a minute or two.", flush=True)
     runs = run_in_turns([(train, name, model_dir, args.heldout, settings) for name in METHODS],
                         preload=("dppo_trl.trainer",))
     rows = summary_rows(runs, heldout_start=base_heldout_score(model_dir, prompt_sets(args.heldout)["heldout"]))

@@ -10,6 +10,7 @@ from dppo_trl.tasks.toy import save_tiny_model
 # SmolLM2-135M-Instruct where `dppo-trl-smollm2` has converted it, else a tiny random model built here.
 model = smollm2.default_dir()
 if not smollm2.is_converted(model):
+    print(f"No SmolLM2 in {model} (`dppo-trl-smollm2` converts it): a tiny random model, whose rewards mean nothing.")
     model = save_tiny_model(tempfile.mkdtemp(prefix="dppo-tiny-model-"))
 
 rng = random.Random(0)

@@ -59,6 +59,8 @@ def test_the_readme_quick_start_runs_as_written_on_the_tiny_model(tmp_path):
     script.write_text(quickstart_block(README))
     out = run_python_file(script, tmp_path, DPPO_TRL_SMOLLM2=str(tmp_path / "no-model-here"))
     assert "DPPO summary: 4 steps" in out
+    assert f"No SmolLM2 in {tmp_path / 'no-model-here'} (`dppo-trl-smollm2` converts it): a tiny random model" in out
+    assert re.search(r"DPPO: training \S*dppo-tiny-model-\S* for 4 steps into output_dir \S*dppo-quickstart-", out)
     assert [p.name for p in tmp_path.iterdir()] == ["quickstart.py"], "it wrote into the current folder"
 
 

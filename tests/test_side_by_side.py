@@ -57,6 +57,8 @@ def test_a_short_side_by_side_run_writes_its_table_plot_and_record(tmp_path, cap
     out = capsys.readouterr().out
     assert code == 0
     assert "GRPO" in out and "DPPO" in out and "held-out" in out
+    assert "Warning: --steps 2 is under 6: the reward at the start and at the end average" in out
+    assert "Loading SmolLM2-135M-Instruct for GRPO and DPPO, each in a process of its own" in out
     record = json.loads((tmp_path / "grpo_vs_dppo.json").read_text())
     assert [r["method"] for r in record["runs"]] == ["DPPO", "GRPO"]
     assert all(len(r["steps"]) == 2 for r in record["runs"])
