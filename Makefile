@@ -203,10 +203,11 @@ bench-variance: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_variance.py
 
 # The benchmark tables and figures of docs/benchmarks.md and README.md, rewritten from benchmarks/results/*.json
-# (tests/test_docs_tables.py fails when they differ).
+# (tests/test_docs_tables.py fails when they differ); the config reference; the CLI's known keys.
 docs: $(STAMP)
 	$(PY) benchmarks/render_docs.py --write
 	$(PY) -m dppo_trl.config_reference --write
+	$(PY) -m dppo_trl.cli.keys --write
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache

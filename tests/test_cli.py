@@ -653,3 +653,51 @@ def test_ctrl_c_ends_the_run_with_one_line_and_the_resume_command(tmp_path, tiny
     assert len(line) == 1 and line[0].endswith(f"Resume with: dppo-trl --config {config} --resume_from_checkpoint "
                                                "true"), text[-3000:]
     assert re.search(r"the checkpoints in .* are kept \(the last: checkpoint-\d+\)", line[0])
+
+
+def test_the_generated_known_keys_are_the_parsers():
+    """``_known_keys.py`` holds every name the parser takes (DPPOConfig's fields among them): a field added to the
+    config without `python -m dppo_trl.cli.keys --write` fails here."""
+    from dppo_trl.cli import _known_keys, keys
+
+    assert keys.main([]) == 0
+    assert {f.name for f in dataclasses.fields(DPPOConfig)} <= set(_known_keys.TRAINING_KEYS)
+    assert "--completion_keep_rate" in _known_keys.TRAINING_FLAGS and "num_processes" in _known_keys.LAUNCH_OPTIONS
+
+
+@pytest.mark.parametrize(
+    "argv, yaml_text",
+    [
+        (["--complete_keep_rate=0.3"], ""),
+        (["--completion_keep_rate", "0.3", "--num-proceses", "2"], ""),
+        ([], "completion_keep_rat: 0.3\n"),
+        ([], "per-device-train-batch-size: 8\n"),
+    ],
+)
+def test_a_typo_is_refused_before_trl_loads_with_the_parsers_own_message(argv, yaml_text, tmp_path, monkeypatch,
+                                                                         capsys):
+    from dppo_trl.cli import keys
+
+    config = write_yaml(tmp_path / "c.yaml", "model_name_or_path: /nonexistent/model\nuse_cpu: true\nbf16: false\n"
+                        + yaml_text)
+    argv = ["--config", config, *argv]
+    with pytest.raises(SystemExit) as slow:  # the parser's own check (it loads TRL)
+        parse(argv)
+    monkeypatch.setattr("dppo_trl.cli.parse", lambda argv: pytest.fail("the parser ran"))
+    with pytest.raises(SystemExit) as fast:
+        main(argv)
+    assert fast.value.code == 2 and str(fast.value) == str(slow.value) and "unknown" in str(fast.value)
+    assert capsys.readouterr().err == f"{fast.value}\n"
+    code = ("import sys\nfrom dppo_trl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]  # refused with none of them imported
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES))
+def test_what_the_parser_takes_passes_the_fast_check(recipe):
+    from dppo_trl.cli.keys import check_known_keys
+
+    check_known_keys(["--config", recipe, "--no_packing", "--per-device-train-batch-size", "8", "--help-all",
+                      "--num_processes", "2", "--mixed-precision=no", "--reasoning_gym_options", '{"min_terms": 2}',
+                      "--seed", "-1", "--output_dir=--odd-folder"])

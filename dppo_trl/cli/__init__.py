@@ -17,7 +17,8 @@ it is refused (see ``launch.process_plan``).
 option, TRL's and transformers' included.
 
 The package, one idea a module: ``arguments`` (what a command line and its YAML mean, checked before anything
-loads, the model paths and reward functions with ``dppo_trl.preflight``), ``help`` (what ``--help`` and
+loads, the model paths and reward functions with ``dppo_trl.preflight``), ``keys`` (a misspelled key, found
+before TRL loads, against the generated ``_known_keys``), ``help`` (what ``--help`` and
 ``--help-all`` show), ``recipes`` (the shipped recipes), ``launch`` (how a run with launch options gets its
 processes), ``runtime`` (what TRL's training script gets in place of GRPOTrainer and of a dataset load). This
 module composes them: ``main`` and ``run``.
@@ -95,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer's own checks of what TRL's script loaded) is printed as its one line before it exits; under a launch
     of several processes, each of which meets it, once (``launch.report``). Ctrl-C ends it with one line
     (``interruption_line``) and status 130."""
+    from .keys import check_known_keys  # here, so that `python -m dppo_trl.cli.keys` runs it as __main__
+
     argv = list(sys.argv[1:] if argv is None else argv)
     made, output_dir, plan = [], None, None
     try:
+        check_known_keys(argv)  # a typo found before torch and TRL load
         script_args, training_args, model_args, dataset_args, launch_args, training_argv = parse(argv)
         output_dir = training_args.output_dir
         _expand_model_path(model_args)

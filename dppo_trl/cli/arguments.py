@@ -214,11 +214,26 @@ def _launch_options() -> dict[str, bool]:
     return options
 
 
-def _unknown(kind: str, shown: str, name: str, parser, options) -> CLIError:
-    known = [a.dest for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)] + list(options)
-    close = difflib.get_close_matches(name, known, n=1)
+def parser_keys(parser) -> list[str]:
+    """The parser's fields: the YAML keys it takes."""
+    return [a.dest for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)]
+
+
+def known_keys(parser) -> list[str]:
+    """The names a YAML key or a flag may take, for the closest-key hint: the parser's fields and the launch
+    options."""
+    return parser_keys(parser) + list(_launch_options())
+
+
+def unknown_key(kind: str, shown: str, name: str, candidates) -> CLIError:
+    """``unknown KIND 'SHOWN'.``, with the closest of ``candidates`` to ``name`` where there is one."""
+    close = difflib.get_close_matches(name, list(candidates), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return CLIError(f"unknown {kind} {shown!r}.{hint}")
+
+
+def _unknown(kind: str, shown: str, name: str, parser, options) -> CLIError:
+    return unknown_key(kind, shown, name, known_keys(parser))
 
 
 def split_launch_args(remaining: list[str], parser) -> list[str]:
