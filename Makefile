@@ -81,12 +81,12 @@ test-wheel: $(DEV_STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_wheel.py
 
 # GRPO and DPPO side by side on the real model (SmolLM2-135M-Instruct + LoRA, reasoning-gym chain_sum), their steps
-# taken in turns in two processes: a table, outputs/demo/grpo_vs_dppo.png and .json (python -m dppo_trl.side_by_side;
+# taken in turns in two processes: a table, outputs/demo/grpo_vs_dppo.png and .json (python benchmarks/side_by_side.py;
 # a thread a core).
 # STEPS: each method's optimizer steps (make demo STEPS=20).
 STEPS ?= 8
 demo: $(STAMP) smollm2
-	HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.side_by_side --steps $(STEPS)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/side_by_side.py --steps $(STEPS)
 
 # The tiny model, for machines without the real one: the warm start (`python -m dppo_trl.demo prepare`), then the
 # CLI (`dppo-trl --config cpu-demo`): about 4 minutes on 2 CPU cores.
@@ -100,7 +100,7 @@ demo-real: $(STAMP) smollm2
 		--model_name_or_path "$$(HF_HUB_OFFLINE=1 $(PY) -m dppo_trl.smollm2)"
 
 # End-to-end: GRPO vs DPPO vs the biased baselines, keep-rate sweeps, table + JSON + plots (~20 min here); a seed's
-# methods take their steps in turns (dppo_trl.interleave), each in a process of its own.
+# methods take their steps in turns (harness.interleave), each in a process of its own.
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --plots docs/images
 

@@ -8,7 +8,7 @@ at fixed steps (outside the clock). It prints a table of ratios to GRPO measured
 reach GRPO's final reward, the final held-out accuracy with its spread over seeds, and writes JSON (and PNG
 plots with ``--plots``). Single-threaded torch. Every method of a seed (those of the sweeps too) takes turns with
 the others, one optimizer step at a time, each in a process of its own after its own warm-up run
-(``dppo_trl.interleave``): a load that changes falls alike on all, so their ratios to GRPO hold.
+(``harness.interleave``): a load that changes falls alike on all, so their ratios to GRPO hold.
 
     make bench                                   # main comparison + keep-rate sweeps, plots in docs/images
     python benchmarks/bench_e2e.py --seeds 0 1 --steps 512 --sweeps --json out.json

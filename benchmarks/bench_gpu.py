@@ -8,7 +8,7 @@ model directory (or a hub id, when the hub is reachable). Task: two-digit additi
 prompts; reward: 1 if the answer appears in the completion, plus half the fraction of digit characters (a
 dense reward, so groups are rarely all equal, whatever the model). Timings are medians over the steps after
 the first generation batch; the methods take turns, one optimizer step at a time, each in a process of its own
-(``dppo_trl.interleave``), so a load that changes falls on both.
+(``harness.interleave``), so a load that changes falls on both.
 
     python benchmarks/bench_gpu.py --model local --steps 8 --json out.json      # CPU, seconds
     bash benchmarks/gpu.sh                                                        # one NVIDIA GPU, < 10 min
@@ -146,7 +146,7 @@ def main(argv=None):
         "trainer_args": trainer_args,
     }
     methods = dict(METHODS, dppo=dict(completion_keep_rate=args.keep_rate))
-    # GRPO's and DPPO's steps in turns, each in a process of its own after its own warm-up run (dppo_trl.interleave):
+    # GRPO's and DPPO's steps in turns, each in a process of its own after its own warm-up run (harness.interleave):
     # a load that changes falls on both.
     runs = run_methods(methods, [0], setup, started=started, in_turns=True, threads=None if cuda else 1, warmup=1)
 

@@ -1,7 +1,7 @@
 """Real-model benchmark: SmolLM2-135M-Instruct (`dppo-trl-smollm2`) with LoRA on a reasoning-gym task, GRPO
 (TRL's trainer) vs DPPO (defaults: keep 0.5, stratified, packing) vs DPPO + prompt pruning, the same number of
 optimizer steps over the same prompt set (several epochs, so that prompt pruning has a history to act on), each
-seed's methods in turns: each in a process of its own, one optimizer step at a time (``dppo_trl.interleave``), so
+seed's methods in turns: each in a process of its own, one optimizer step at a time (``harness.interleave``), so
 that a load that changes falls alike on every method and each method's clock counts its own steps only.
 ``--one-after-the-other`` runs them back to back in one process instead: for learning runs (``learning.sh``), whose
 steps to a target do not depend on the machine; their time figures are then labelled so (``_one_after_the_other``).

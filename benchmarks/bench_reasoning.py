@@ -8,7 +8,7 @@ TRL's defaults where they matter: `loss_type="dapo"`, `beta=0`, `num_generations
 `steps_per_generation` (4) larger than `gradient_accumulation_steps` (2). Greedy held-out accuracy (weighted to
 the training distribution) at fixed points of data progress, outside the clock. Single-threaded; a seed's methods
 take turns, one optimizer step at a time, each in a process of its own after its own warm-up run
-(``dppo_trl.interleave``), so a load that changes falls alike on all; ratios to GRPO of the same seed. Prints the
+(``harness.interleave``), so a load that changes falls alike on all; ratios to GRPO of the same seed. Prints the
 table and writes JSON (and plots with ``--plots``).
 
     make bench-reasoning                      # 2 seeds, tables + JSON + plots in docs/images (~55 min here)

@@ -13,7 +13,7 @@ run again: later sessions add seeds). The ``mu = 1`` rows read bench_real's lear
 (``benchmarks/results/learning/real_seed*_runs.json``, the same protocol) where they hold the seed.
 
 The training phase per generation is timed apart, in turns (``timing``: every method a few generation batches, one
-optimizer step at a time each, in processes of their own, ``dppo_trl.interleave``), its ratio to GRPO ``mu = 1``'s
+optimizer step at a time each, in processes of their own, ``harness.interleave``), its ratio to GRPO ``mu = 1``'s
 per seed. ``report`` summarizes every recorded seed (``benchmarks/results/bench_reuse.json``): per row the
 generation batches to 90% of GRPO ``mu = 1``'s rise (held-out score and training reward) over GRPO's, the held-out
 final difference with its 95% CI, the training ratio per generation, and the projected time ratio

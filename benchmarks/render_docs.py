@@ -91,7 +91,7 @@ ONE_AFTER_THE_OTHER = "one after the other"  # harness.training.TIMING_ONE_AFTER
 
 def timing(data: dict) -> str:
     """How a record's runs were timed: its ``timing`` ("in turns": each method's steps in turn with the others',
-    ``dppo_trl.interleave``), else one after the other (the records from before the turns)."""
+    ``harness.interleave``), else one after the other (the records from before the turns)."""
     return data.get("timing", ONE_AFTER_THE_OTHER)
 
 
@@ -765,7 +765,7 @@ def entropy_filter_table(data: dict) -> str:
 
 
 def demo_table(data: dict) -> str:
-    """demo.json (``make demo``'s record, ``dppo_trl.side_by_side``): its printed table as markdown."""
+    """demo.json (``make demo``'s record, ``benchmarks/side_by_side.py``): its printed table as markdown."""
     header = ["method", "time (its own steps, in turns)", "time / GRPO's", "reward: start -> end",
               "held-out: start -> end", "kept"]
     body = [[r["method"], f"{r['wall']:.0f} s", f"{r['time_ratio']:.2f}",

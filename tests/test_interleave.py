@@ -1,16 +1,20 @@
-"""``dppo_trl.interleave``, the timing of ``make demo``: two jobs whose steps take fixed times under a simulated load
+"""``benchmarks/harness/interleave.py``, the timing of ``make demo``: two jobs whose steps take fixed times under a simulated load
 that grows midway. Taking turns, their ratio of times stays the true one; one after the other, the load skews it.
 
 The load is simulated (a step sleeps longer once it has come), so that the tests do not depend on the machine's own.
-Taking turns starts processes (``subprocess``): each imports ``dppo_trl``, a few seconds."""
+Taking turns starts processes (``subprocess``): each imports the harness, a few seconds."""
 
 import contextlib
 import multiprocessing
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from dppo_trl.interleave import Turns, run_in_turns
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+from harness.interleave import Turns, run_in_turns  # noqa: E402
 
 STEPS = 10
 FAST, SLOW = 0.04, 0.08  # seconds a step takes without the load: the true ratio of times is 0.5

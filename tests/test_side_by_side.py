@@ -1,12 +1,16 @@
-"""`make demo` (`python -m dppo_trl.side_by_side`): its table from hand-made runs, and a shortened run on the real
+"""`make demo` (`benchmarks/side_by_side.py`): its table from hand-made runs, and a shortened run on the real
 model that writes the table, the plot and the record, its two runs in processes of their own taking turns
-(`dppo_trl.interleave`; tests/test_interleave.py: the ratio of times under a load that changes midway)."""
+(`harness.interleave`; tests/test_interleave.py: the ratio of times under a load that changes midway)."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from dppo_trl import side_by_side
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+import side_by_side  # noqa: E402
 
 
 def run(method, rewards, wall, heldout, kept=1.0):

@@ -3,7 +3,7 @@ its setup and its figures.
 
 - ``training``: the timed trainer (``timed``: TRL's phases clocked, each generation batch recorded), the clock
   callback, ``run_one`` (one method, one seed), ``warm_up``, ``run_methods`` (methods x seeds; ``in_turns``: a
-  seed's methods take turns, one optimizer step each, in processes of their own, ``dppo_trl.interleave``).
+  seed's methods take turns, one optimizer step each, in processes of their own, ``harness.interleave``).
 - ``figures``: curves (``reward_curve``, ``eval_curve``, ``trailing_mean``), ``time_to`` a target and its ratio
   to GRPO's, ``cost_figures`` of a method against GRPO's run of the same seed, ``summarize`` (one row per method
   over seeds; ``summarize_at_budget`` at a common step budget), ``mean_se`` and ``pooled`` standard errors.

@@ -13,7 +13,7 @@ import torch
 
 PHASES = ("generation", "scoring", "loss", "other")
 # How a run's times were taken (each run's "timing"): in turns with the other methods of its seed (one optimizer step
-# each, in processes of their own: dppo_trl.interleave), or one after the other in one process (older records, and
+# each, in processes of their own: harness.interleave), or one after the other in one process (older records, and
 # the learning runs, whose steps to a target do not depend on the machine).
 TIMING_IN_TURNS = "in turns"
 TIMING_ONE_AFTER_THE_OTHER = "one after the other"
@@ -147,7 +147,7 @@ def timed(trainer_cls):
 def clock(trainer, evaluate, eval_every, budget, progress=None, turns=None):
     """Per-step wall clock (evaluation excluded), phase split, and held-out evaluation each time ``progress``
     (optimizer steps by default; a function of the trainer, e.g. ``data_progress``) passes a multiple of
-    ``eval_every``, at the start, at the step budget and at the end. With ``turns`` (``dppo_trl.interleave.Turns``:
+    ``eval_every``, at the start, at the step budget and at the end. With ``turns`` (``harness.interleave.Turns``:
     the run takes turns with others) the wall clock is the run's own clock of turns, which stops while the others
     take theirs."""
     progress = progress or (lambda trainer: trainer.state.global_step)
@@ -271,7 +271,7 @@ def run_one(name, settings, seed, setup, turns=None):
     timer = clock(trainer, evaluate, setup["eval_every"], budget, setup.get("progress"), turns)
     trainer.add_callback(timer)
     if turns is not None:
-        from dppo_trl.interleave import turns_callback
+        from .interleave import turns_callback
 
         trainer.add_callback(turns_callback(turns))
     for quiet in (PrinterCallback, ProgressCallback, DPPOSummaryCallback):  # the table is the report
@@ -310,7 +310,7 @@ def run_methods(methods, seeds, setup, runs=None, started=None, label="", note=N
     that seed reuses that run under its own name. Prints a progress line per run (``label`` first, ``note(run)``
     before the held-out figures); ``after_run(runs)`` after each new run (in turns: after each seed).
 
-    ``in_turns``: a seed's methods take turns (``dppo_trl.interleave.run_in_turns``), each in a process of its own
+    ``in_turns``: a seed's methods take turns (``harness.interleave.run_in_turns``), each in a process of its own
     with ``threads`` torch threads and ``warmup`` untimed warm-up runs of its own settings first, one optimizer step
     at a time, the first turn going to another method in each seed; so a load that changes falls alike on every
     method, and each method's clock counts its own steps only. Otherwise the methods run back to back in this
@@ -340,7 +340,7 @@ def run_methods(methods, seeds, setup, runs=None, started=None, label="", note=N
         if in_turns and todo:
             shift = seed % len(todo)  # each seed gives the first turn to another method
             order = todo[shift:] + todo[:shift]
-            from dppo_trl.interleave import run_in_turns
+            from .interleave import run_in_turns
 
             done = run_in_turns([(turn_job, name, settings, seed, setup, threads, warmup) for name, settings in order],
                                 preload=("dppo_trl.trainer",))
@@ -363,7 +363,7 @@ def run_methods(methods, seeds, setup, runs=None, started=None, label="", note=N
 
 
 def turn_job(turns, name, settings, seed, setup, threads=None, warmup=0):
-    """One method's run as a job of ``dppo_trl.interleave.run_in_turns``, in a process of its own: ``threads``
+    """One method's run as a job of ``harness.interleave.run_in_turns``, in a process of its own: ``threads``
     torch threads, the vLLM shim where the setup generates with vLLM, ``warmup`` untimed runs of two steps of the
     same settings (first-call costs), all off the clock; then the run, its optimizer steps in turns, and the spans of
     its turns (``turns``: one clock for every process)."""

@@ -6,14 +6,14 @@ same seed, prompts and settings. DPPO differs only by its own defaults: it keeps
 (unbiased, reweighted) and packs what it keeps. Its speed check is off (it would time GRPO's training passes once,
 on DPPO's clock).
 
-The two runs take turns (``dppo_trl.interleave``): each trains in a process of its own, and their optimizer steps
+The two runs take turns (``harness.interleave``): each trains in a process of its own, and their optimizer steps
 alternate, DPPO's, GRPO's, DPPO's, ..., so that a load on the machine that changes falls on both. Each method's
 time is the wall time of its own steps; loading the model and the held-out evaluation are not in it.
 
 It prints a table (time, reward at the start and the end, held-out score, completions kept) and writes
 ``DIR/grpo_vs_dppo.png`` (reward against time) and ``DIR/grpo_vs_dppo.json`` (every logged step).
 
-    python -m dppo_trl.side_by_side [--steps N] [--output-dir DIR]
+    python benchmarks/side_by_side.py [--steps N] [--output-dir DIR]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def heldout_score(model, tokenizer, dataset, max_new_tokens: int = 16, batch: in
     """Mean task score of the greedy completion of each held-out prompt."""
     import torch
 
-    from .tasks.reasoning_gym import reasoning_gym_reward
+    from dppo_trl.tasks.reasoning_gym import reasoning_gym_reward
 
     scores, padding_side = [], tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -110,7 +110,7 @@ def progress_callback(name: str, steps: int, turns):
 
 def prompt_sets(heldout: int) -> dict:
     """The training prompts and the held-out ones (reasoning-gym's generator, seeds 0 and 1)."""
-    from .tasks.reasoning_gym import reasoning_gym_dataset
+    from dppo_trl.tasks.reasoning_gym import reasoning_gym_dataset
 
     return {"train": reasoning_gym_dataset(TASK, size=32, seed=0, **TASK_OPTIONS),
             "heldout": reasoning_gym_dataset(TASK, size=heldout, seed=1, **TASK_OPTIONS)}
@@ -124,9 +124,10 @@ def train(turns, name: str, model_dir: str, heldout: int, settings: dict) -> dic
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from . import DPPOConfig, DPPOTrainer
-    from .interleave import turns_callback
-    from .tasks.reasoning_gym import reasoning_gym_reward
+    from harness.interleave import turns_callback
+
+    from dppo_trl import DPPOConfig, DPPOTrainer
+    from dppo_trl.tasks.reasoning_gym import reasoning_gym_reward
 
     quiet_libraries()
     data = prompt_sets(heldout)
@@ -142,7 +143,7 @@ def train(turns, name: str, model_dir: str, heldout: int, settings: dict) -> dic
     )
     trainer.remove_callback(PrinterCallback)  # a line per step shows the reward; the table reports the rest
     if name == "DPPO":  # its summary's wall time would count GRPO's turns; the table gives each method's own
-        from .hooks.summary import DPPOSummaryCallback
+        from dppo_trl.hooks.summary import DPPOSummaryCallback
 
         trainer.remove_callback(DPPOSummaryCallback)
     trainer.add_callback(turns_callback(turns))
@@ -208,7 +209,7 @@ def plot(runs: list[dict], path: Path, window: int = 4) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dppo_trl.side_by_side", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/side_by_side.py", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps of each run (default: 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="outputs/demo", help="where the plot and the JSON go")
@@ -216,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a SmolLM2-135M-Instruct folder (default: convert one)")
     args = parser.parse_args(argv)
 
-    from . import smollm2
-    from .interleave import run_in_turns
+    from harness.interleave import run_in_turns
+
+    from dppo_trl import smollm2
 
     if args.steps < 2 * EDGE:
         print(f"Warning: --steps {args.steps} is under {2 * EDGE}: the reward at the start and at the end average the "
