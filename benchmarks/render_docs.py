@@ -650,38 +650,17 @@ def revisits_table(data: dict) -> str:
 
 
 ALL_RESULTS = "*"  # a TABLES entry whose function reads every results file
-HEADLINE_RUNS = (("bench_real", "transformers"), ("bench_real_vllm", "vLLM, colocated"))
-
-
-def headline_table(results: dict) -> str:
-    """README's headline: DPPO at its defaults against GRPOTrainer on the real model, one row per generation
-    engine (bench_real*.json; ratios mean ± SE over seeds, paired by seed)."""
-    header = ["generating with", "run", "whole run: time / GRPO's", "training phase: time / GRPO's", "timed",
-              "completions kept",
-              "final reward minus GRPO's", "held-out: GRPO -> DPPO"]
-    body = []
-    for name, engine in HEADLINE_RUNS:
-        data = results[name]
-        grpo, dppo = (rows(name, data)[m] for m in ("grpo", "dppo"))
-        config = data["config"]
-        body.append([engine, f"{config['steps']} steps, {len(config['seeds'])} seeds",
-                     pm(dppo["total_ratio_mean"], dppo["total_ratio_se"]),
-                     pm(dppo["training_phase_ratio_mean"], dppo["training_phase_ratio_se"]), timing(data),
-                     f"{dppo['kept_fraction']:.0%}", pm(dppo["final_reward_diff_mean"], dppo["final_reward_diff_se"]),
-                     f"{grpo['heldout_final_mean']:.3f} -> {dppo['heldout_final_mean']:.3f}"])
-    return md_table(header, body)
-
-
 def speedup_text(projected: dict) -> str:
     """A projected speedup and the time ratio it inverts, with its SE: ``1.32x (time 0.76 ± 0.04)``."""
     ratio, se = projected["time_ratio"], projected["time_ratio_se"]
     return f"{1 / ratio:.2f}x (time {pm(ratio, se, '.2f')})"
 
 
-def headline_speed_table(results: dict) -> str:
-    """README's second headline: the speedup in two factors on the real model, per engine
-    (bench_real*_learning.json): learning per step (steps to 90% of GRPO's rise), the final held-out score's paired
-    difference, and the product with the training time per step (paired runs) at a GPU-like generation share."""
+def headline_table(results: dict) -> str:
+    """README's headline: DPPO at its defaults against GRPOTrainer, the speedup in two factors on the real model,
+    per engine (bench_real*_learning.json): learning per step (steps to 90% of GRPO's rise), the final held-out
+    score's paired difference, and the product with the training time per step (paired runs) at a GPU-like
+    generation share. The other methods' rows are on their pages (benchmarks.md, prompt_pruning.md)."""
     records = learning_records(results, LEARNING_RUNS[:DEFAULT_LOSS_RUNS])
     share = records[0][1]["projection_sources"]["typical_gpu_generation_share"]  # one constant of bench_real.py
     header = ["generating with", "method", "seeds", "steps to target: reward", "steps: held-out",
@@ -692,7 +671,7 @@ def headline_speed_table(results: dict) -> str:
         at = {p["method"]: p for p in data["projection"] if abs(p["generation_share"] - share) < 1e-9}
         phases = phases_timing(data)
         for r in data["results"]:
-            if r["method"] == "grpo":
+            if r["method"] != "dppo":
                 continue
             ci = r["heldout_final_diff_ci"]
             speed = at.get(r["method"])
@@ -862,7 +841,6 @@ TABLES = {  # block name -> (results file, function of its JSON; ALL_RESULTS: of
     "bench_real_vllm": ("bench_real_vllm", real_table),
     "bench_real_learning": (ALL_RESULTS, learning_table),
     "bench_reasoning_targets": ("bench_reasoning_targets", reasoning_targets_table),
-    "headline_speed": (ALL_RESULTS, headline_speed_table),
     "bench_real_projection": (ALL_RESULTS, projection_table),
     "bench_real_prompt_pruning": ("bench_real_learning", prompt_pruning_table),
     "bench_real_cut": (ALL_RESULTS, cut_table),

@@ -184,19 +184,21 @@ def move_into_place(staged: Path, folder: Path) -> None:
 
 @contextlib.contextmanager
 def locked(folder: Path, quiet: bool):
-    """Hold an exclusive lock on ``.<name>.lock`` beside ``folder``. The file stays: removing it would let a run
-    that waits on the old file and one that creates a new file both go ahead."""
-    import fcntl  # POSIX only; imported here so that the module's constants import everywhere
+    """Hold an exclusive lock (``filelock``) on ``.<name>.lock`` beside ``folder``. The file stays: removing it
+    would let a run that waits on the old file and one that creates a new file both go ahead."""
+    from filelock import FileLock, Timeout
 
-    lock_path = folder.parent / f".{folder.name}.lock"
-    with open(lock_path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not quiet:
-                print(f"dppo-trl-smollm2: waiting for another run converting into {folder}", file=sys.stderr)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = FileLock(folder.parent / f".{folder.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if not quiet:
+            print(f"dppo-trl-smollm2: waiting for another run converting into {folder}", file=sys.stderr)
+        lock.acquire()
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:

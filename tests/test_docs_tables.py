@@ -136,13 +136,14 @@ def test_the_learning_and_projection_tables_from_a_small_dict():
     data = {"bench_real_learning": {"results": [grpo, _target_row("dppo")], "projection": projection,
                                     "projection_sources": sources},
             "bench_real_vllm_learning": {"results": [grpo, vllm], "projection": faster, "projection_sources": sources}}
-    headline = render_docs.headline_speed_table(data).splitlines()
-    assert headline[2].startswith("| transformers | DPPO (keep 0.5) |")
+    data["bench_real_learning"]["results"].append(_target_row("dppo+cut"))  # another method: not in the headline
+    headline = render_docs.headline_table(data).splitlines()
+    assert len(headline) == 4 and headline[2].startswith("| transformers | DPPO (keep 0.5) |")
     assert headline[2].endswith("| 2.00x (time 0.50 ± 0.01) | one after the other |")
     assert headline[3].startswith("| vLLM, colocated | DPPO (keep 0.5) | 2 |")
     assert headline[3].endswith("| 4.00x (time 0.25 ± 0.01) | one after the other |")
     data["bench_real_learning"]["projection_sources"] = dict(sources, phases_timing="in turns")
-    assert render_docs.headline_speed_table(data).splitlines()[2].endswith("| 2.00x (time 0.50 ± 0.01) | in turns |")
+    assert render_docs.headline_table(data).splitlines()[2].endswith("| 2.00x (time 0.50 ± 0.01) | in turns |")
 
 
 def test_inline_values_read_fields_ratios_and_ranges():
