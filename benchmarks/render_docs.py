@@ -31,6 +31,8 @@ import re
 import sys
 from pathlib import Path
 
+from harness.report import md_table
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ("README.md", "docs/benchmarks.md")
@@ -62,12 +64,6 @@ MARKER = re.compile(r"<!-- generated: (?P<spec>[^>]*?) -->(?P<body>.*?)<!-- end 
 def load_results(directory: Path = RESULTS) -> dict[str, dict]:
     """Every ``*.json`` of ``directory``, by file stem."""
     return {p.stem: json.loads(p.read_text()) for p in sorted(Path(directory).glob("*.json"))}
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table (no trailing newline)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def num(x: float | None, spec: str = ".3f") -> str:

@@ -169,14 +169,15 @@ def summary_rows(runs: list[dict], heldout_start: float) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as printed, and how the times were taken."""
-    header = f"{'':6}{'time':>12}{'vs GRPO':>9}{'reward start -> end':>22}{'held-out start -> end':>24}{'kept':>7}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['method']:6}{r['wall']:>10.0f} s{r['time_ratio']:>8.2f}x"
-                     f"{r['reward_start']:>13.2f} -> {r['reward_end']:.2f}"
-                     f"{r['heldout_start']:>15.2f} -> {r['heldout_end']:.2f}{r['kept']:>7.2f}")
-    return "\n".join([*lines, TIMING])
+    """The rows as printed (``harness.text_table``), and how the times were taken."""
+    from harness import text_table
+
+    columns = [("", -1, "method:"), ("time", 1, lambda r: f"{r['wall']:.0f} s"),
+               ("vs GRPO", 1, lambda r: f"{r['time_ratio']:.2f}x"),
+               ("reward start -> end", 1, lambda r: f"{r['reward_start']:.2f} -> {r['reward_end']:.2f}"),
+               ("held-out start -> end", 1, lambda r: f"{r['heldout_start']:.2f} -> {r['heldout_end']:.2f}"),
+               ("kept", 1, "kept:.2f")]
+    return "\n".join([text_table(rows, columns), TIMING])
 
 
 def plot(runs: list[dict], path: Path, window: int = 4) -> Path | None:

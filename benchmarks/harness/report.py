@@ -65,9 +65,10 @@ TARGET_COLUMNS = [
 
 
 def text_table(rows, columns) -> str:
-    """A fixed-width text table. ``columns``: ``(header, width, cell)``; ``cell`` a function of a row, or
-    ``"key:spec"`` (``row[key]`` formatted, ``-`` for None); a negative width aligns left, width 0 is a last column
-    after two spaces; a ``\\n`` in a header starts its second header line."""
+    """A text table, laid out by ``tabulate``. ``columns``: ``(header, align, cell)``; ``cell`` a function of a
+    row, or ``"key:spec"`` (``row[key]`` formatted, ``-`` for None); ``align`` negative or 0 aligns left, positive
+    right; a ``\\n`` in a header starts its second header line."""
+    from tabulate import tabulate
 
     def text(row, cell):
         if callable(cell):
@@ -75,13 +76,9 @@ def text_table(rows, columns) -> str:
         key, _, spec = cell.partition(":")
         return "-" if row[key] is None else format(row[key], spec)
 
-    def line(cells):
-        return "".join(f"  {c}" if w == 0 else f"{c:<{-w}}" if w < 0 else f"{c:>{w}}"
-                       for c, (_, w, _) in zip(cells, columns))
-
-    headers = [header.split("\n") for header, _, _ in columns]
-    lines = [line([h[i] if i < len(h) else "" for h in headers]).rstrip() for i in range(max(map(len, headers)))]
-    return "\n".join(lines + [line([text(row, cell) for _, _, cell in columns]) for row in rows])
+    return tabulate([[text(row, cell) for _, _, cell in columns] for row in rows],
+                    headers=[header for header, _, _ in columns], tablefmt="simple", disable_numparse=True,
+                    colalign=["right" if align > 0 else "left" for _, align, _ in columns])
 
 
 def print_table(rows, columns, title) -> None:
@@ -90,7 +87,8 @@ def print_table(rows, columns, title) -> None:
 
 
 def md_table(header, rows) -> str:
-    """A markdown table of string cells."""
+    """A markdown table of string cells, unpadded (``tabulate`` pads every cell to its column's width, so a changed
+    figure would rewrite every line of a table in the docs' diffs)."""
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 

@@ -15,17 +15,11 @@ from .figures import mean_se, trailing_mean
 FRACTION = 0.9  # of GRPO's rise: the target
 NON_INFERIORITY_MARGIN = 0.05  # of the held-out score: the interval's lower end must lie above -margin
 
-# Two-sided 95% quantiles of Student's t by degrees of freedom (above 30: the normal's 1.96).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
-
-
 def t95(df: int) -> float:
-    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom (the next smaller tabulated df
-    above 10, which errs wide)."""
-    if df > 30:
-        return 1.96
-    return _T95[max(k for k in _T95 if k <= df)]
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
 
 
 def reward_points(run, window):
