@@ -168,6 +168,7 @@ def test_the_card_of_a_trained_model_carries_the_runs_summary(tmp_path, tiny_mod
     card = (tmp_path / "out" / "README.md").read_text()
     summary = json.loads((tmp_path / "out" / "dppo_summary.json").read_text())
     assert "### This run" in card and f"`{summary['line']}`" in card and "| steps | 3 |" in card
+    assert f"| reward, first -> last log | {summary['reward_first_log']:.3f} -> " in card
     assert f"{summary['speed']['projected_seconds_saved']:.0f} s of GRPO's" in card
 
 

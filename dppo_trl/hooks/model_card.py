@@ -44,7 +44,8 @@ def run_card_lines(summary: dict) -> str:
     """The card's account of the run: its summary line's figures, as a table."""
     speed = summary.get("speed") or {}
     rows = [("steps", summary["steps"]), ("wall time", f"{summary['seconds']:.0f} s"),
-            ("reward, first -> last log", f"{summary.get('reward_first_log')} -> {summary.get('reward_last_log')}")]
+            ("reward, first -> last log", " -> ".join("n/a" if summary.get(key) is None else f"{summary[key]:.3f}"
+                                                      for key in ("reward_first_log", "reward_last_log")))]
     for key, label in (("kept_fraction", "completions kept"), ("prompt_accepted_fraction", "prompts accepted")):
         if key in summary:
             rows.append((label, f"{summary[key]:.3f}"))
