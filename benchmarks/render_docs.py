@@ -944,8 +944,29 @@ def audit_verdict(results: dict) -> str:
     return text
 
 
+def reuse_verdict(results: dict) -> str:
+    """bench_reuse's verdict at its generation share: the fastest DPPO row whose held-out score is non-inferior,
+    its projected time against GRPO at ``num_iterations`` 1 and against GRPO's fastest row, the issue's targets,
+    and whether reuse is what won."""
+    data = results["bench_reuse"]
+    verdict = data["verdict"]
+    if verdict is None:
+        return "no verdict yet (a row without a held-out target reached or without a timed training ratio)"
+    rows = {r["name"]: r for r in data["results"]}
+    best, grpo_best = rows[verdict["dppo_best"]], rows[verdict["grpo_best"]]
+    reuse = "reuse" if best["num_iterations"] > 1 else "no reuse"
+    return (f"at {verdict['generation_share']:.0%} generation the fastest DPPO row with a non-inferior held-out "
+            f"score is DPPO at `num_iterations` {best['num_iterations']}: "
+            f"{pm(verdict['dppo_best_time_ratio'], verdict['dppo_best_time_ratio_se'], '.2f')} of GRPO's time at "
+            f"`num_iterations` 1 (the target: {verdict['target_vs_grpo']:.2f} or less), "
+            f"{verdict['dppo_best_over_grpo_best']:.2f} of GRPO's fastest row, GRPO at `num_iterations` "
+            f"{grpo_best['num_iterations']} (the target: {verdict['target_vs_grpo_best']:.2f} or less); the targets "
+            f"are {'met' if verdict['met'] else 'not met'}, and the fastest DPPO row is the one with {reuse}")
+
+
 SPANS = {  # inline values that are not one field: name [arguments] -> function of every results file
     "audit_verdict": audit_verdict,
+    "reuse_verdict": reuse_verdict,
     "e2e_grpo_shares": lambda R: e2e_grpo_shares(R["bench_e2e"]),
     "grpo_gamma_gain": lambda R: format(
         efficiency(R, f"grpo/{DEFAULT_DESIGN}+g-0.5@0.5") / efficiency(R, f"grpo/{DEFAULT_DESIGN}@0.5") - 1, "+.0%"),

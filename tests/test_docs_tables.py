@@ -201,3 +201,16 @@ def test_the_audit_verdict_says_whether_the_check_holds_and_by_how_many_standard
     del older["paired_step_time_ratio_se"]  # records from before the SE was kept
     assert render_docs.audit_verdict({"bench_real_phases_dapo": {"audit_check": older}}) == (
         "within the 15% the check asks for")
+
+
+def test_the_reuse_verdict_says_which_row_won_and_whether_the_targets_hold():
+    rows = [{"name": "dppo@mu2", "num_iterations": 2}, {"name": "grpo", "num_iterations": 1}]
+    verdict = {"generation_share": 0.7, "dppo_best": "dppo@mu2", "dppo_best_time_ratio": 0.61,
+               "dppo_best_time_ratio_se": 0.05, "grpo_best": "grpo", "dppo_best_over_grpo_best": 0.61,
+               "target_vs_grpo": 0.42, "target_vs_grpo_best": 0.75, "met": False}
+    text = render_docs.reuse_verdict({"bench_reuse": {"results": rows, "verdict": verdict}})
+    assert text == ("at 70% generation the fastest DPPO row with a non-inferior held-out score is DPPO at "
+                    "`num_iterations` 2: 0.61 ± 0.05 of GRPO's time at `num_iterations` 1 (the target: 0.42 or less), "
+                    "0.61 of GRPO's fastest row, GRPO at `num_iterations` 1 (the target: 0.75 or less); the targets "
+                    "are not met, and the fastest DPPO row is the one with reuse")
+    assert render_docs.reuse_verdict({"bench_reuse": {"results": rows, "verdict": None}}).startswith("no verdict")
