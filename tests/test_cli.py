@@ -701,3 +701,16 @@ def test_what_the_parser_takes_passes_the_fast_check(recipe):
     check_known_keys(["--config", recipe, "--no_packing", "--per-device-train-batch-size", "8", "--help-all",
                       "--num_processes", "2", "--mixed-precision=no", "--reasoning_gym_options", '{"min_terms": 2}',
                       "--seed", "-1", "--output_dir=--odd-folder"])
+
+
+def test_under_other_versions_of_the_sources_the_parser_checks_the_keys(monkeypatch):
+    """The names depend on the installed transformers, TRL and accelerate (the vLLM lane pins another transformers):
+    where their versions differ from those generated with, the fast check refuses nothing."""
+    from dppo_trl.cli import keys
+
+    typo = ["--complete_keep_rate=0.3"]
+    with pytest.raises(SystemExit):
+        keys.check_known_keys(typo)
+    other = {**keys.installed_versions(), "transformers": "5.0.0"}
+    monkeypatch.setattr(keys, "installed_versions", lambda: other)
+    keys.check_known_keys(typo)
