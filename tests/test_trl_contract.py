@@ -83,7 +83,7 @@ OVERRIDDEN_HOOKS = (
 )
 # Attributes DPPO itself sets on the trainer outside its class bodies (the rest are defined there).
 DPPO_INSTANCE_ATTRIBUTES = {"_varlen_attention", "last_global_keep", "_audit_log", "__dict__", "_run_clock",
-                            "_run_started"}
+                            "_run_started", "_summary"}
 
 
 def dppo_classes() -> list[ast.ClassDef]:
