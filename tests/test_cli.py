@@ -617,6 +617,7 @@ def test_the_interruption_line(tmp_path):
     from dppo_trl.cli.runtime import interruption_line
 
     folder = tmp_path / "out"
+    assert interruption_line(None, None, ["--config", "x.yaml"]) == "dppo-trl: interrupted."
     assert interruption_line(None, str(folder), []) == (
         f"dppo-trl: interrupted; no checkpoint was saved in {folder}: there is none to resume from.")
     (folder / "checkpoint-3").mkdir(parents=True)

@@ -85,7 +85,9 @@ def interruption_line(trainer, output_dir: str | None, argv: list[str]) -> str:
     reached = ""
     if trainer is not None:
         reached = f" at step {trainer.state.global_step} of {trainer.state.max_steps or trainer.args.max_steps}"
-    last = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+    if output_dir is None:  # interrupted before the command line was read
+        return "dppo-trl: interrupted."
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     if last is None:
         return f"dppo-trl: interrupted{reached}; no checkpoint was saved in {output_dir}: there is none to resume from."
     resume, i = [], 0

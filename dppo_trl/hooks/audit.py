@@ -48,6 +48,7 @@ from ..core.audit import (
 from ..core.batch import loss_mask
 from ..core.trl_formulas import vllm_importance_sampling_ratio
 from .generation_batch import AuditReference, GenerationBatch
+from .summary import logged_mean
 
 logger = logging.getLogger(__name__)
 
@@ -380,10 +381,9 @@ class GradientAudit:
         return run_speed_metrics(records["train_time_ratio"], records["step_time_ratio"], records["generation_share"],
                                  run_seconds, records["measuring_seconds"])
 
-    def _speed_summary(self, run_seconds: float) -> str | None:
-        """The summary line's part on what the run saved, or why it was not measured (None on GRPO's path or with
-        ``speed_check=False`` and no audit)."""
-        metrics = self._speed_metrics(run_seconds)
+    def _speed_summary(self, metrics: dict) -> str | None:
+        """The summary line's part on what the run saved (``metrics``: ``_speed_metrics``'s), or why it was not
+        measured (None on GRPO's path or with ``speed_check=False`` and no audit)."""
         if metrics:
             records = self._audit_records()
             timed = len(records["step_time_ratio"])
@@ -404,8 +404,7 @@ class GradientAudit:
     def _timing_caveat(self, timed_token_fractions: list[float]) -> str:
         """The summary line's warning when the timed batches kept far more or fewer completion tokens than the
         run's batches did on average ("" when they stand for the run)."""
-        logged = [h["dppo/kept_token_fraction"] for h in self.state.log_history if "dppo/kept_token_fraction" in h]
-        run = statistics.fmean(logged) if logged else 0.0
+        run = logged_mean(self.state.log_history, "dppo/kept_token_fraction") or 0.0
         if representative_timing(timed_token_fractions, run):
             return ""
         timed = statistics.median(timed_token_fractions)

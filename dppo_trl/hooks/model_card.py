@@ -78,7 +78,7 @@ def name_local_model(card: str, model_path: str, output_dir: str) -> str:
     """TRL's card for a model loaded from a folder names no base model ("[None](https://huggingface.co/None)")
     and loads ``model="None"`` in its quick start: name the folder, and load the model from ``output_dir``."""
     card = card.replace("[None](https://huggingface.co/None)", f"the local model `{model_path}`")
-    return card.replace('model="None"', f"model={str(output_dir)!r}".replace("'", '"'))
+    return card.replace('model="None"', f'model="{output_dir}"')
 
 
 class DPPOModelCard:

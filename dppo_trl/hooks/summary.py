@@ -53,6 +53,12 @@ class RunClock:
         self.earlier = float(state["seconds"])
 
 
+def logged_mean(log_history: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over the logs that hold a finite number for it (None where none does)."""
+    values = [h[key] for h in log_history if _is_number(h.get(key))]
+    return sum(values) / len(values) if values else None
+
+
 def model_name(model) -> str:
     """The name or folder the model was loaded from (a PEFT model's base), or its class name."""
     config = getattr(model, "config", None)
@@ -62,8 +68,8 @@ def model_name(model) -> str:
 class DPPOSummaryCallback(TrainerCallback):
     """Says, when training starts, which model it trains and where it writes; at the end of training prints one
     line: steps, the run's wall time, reward at the first and last log, the kept fraction of completions, the
-    accepted fraction of prompts and the generated fraction of completions, what the run saved
-    (``speed_summary(seconds)``, its figures ``speed_metrics(seconds)``) and the gradient audit's summary
+    accepted fraction of prompts and the generated fraction of completions, what the run saved (its figures
+    ``speed_metrics(seconds)``, said by ``speed_summary(figures)``) and the gradient audit's summary
     (``audit_summary()``), each where it gives one. The last summary, as data, is ``summary`` (None before the end
     of training)."""
 
@@ -100,13 +106,14 @@ class DPPOSummaryCallback(TrainerCallback):
         fractions = (("dppo/kept_fraction", "completions kept"), ("dppo/prompt_accepted_fraction", "prompts accepted"),
                      ("dppo/prompt_generated_fraction", "completions generated"))
         for key, label in fractions:
-            values = [h[key] for h in state.log_history if _is_number(h.get(key))]
-            if values:
-                summary[key.removeprefix("dppo/")] = sum(values) / len(values)
-                parts.append(f"{label} {summary[key.removeprefix('dppo/')]:.3f}")
+            mean = logged_mean(state.log_history, key)
+            if mean is not None:
+                summary[key.removeprefix("dppo/")] = mean
+                parts.append(f"{label} {mean:.3f}")
+        speed = self.speed_metrics(seconds) if self.speed_metrics else {}
         if self.speed_metrics:
-            summary["speed"] = {k.removeprefix("dppo/speed_"): v for k, v in self.speed_metrics(seconds).items()}
-        for part in (self.speed_summary(seconds) if self.speed_summary else None,
+            summary["speed"] = {k.removeprefix("dppo/speed_"): v for k, v in speed.items()}
+        for part in (self.speed_summary(speed) if self.speed_summary else None,
                      self.audit_summary() if self.audit_summary else None):
             if part:
                 parts.append(part)
