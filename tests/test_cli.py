@@ -327,6 +327,8 @@ learning_rate: 1.0e-3
     out = tmp_path / "out"
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
     assert not (out / "model.safetensors").exists()
+    card = (out / "README.md").read_text()  # names the training set: here a local dataset, in words
+    assert f"the local model `{tiny_model_dir}` on the local dataset `{tmp_path / 'data'}`." in card
 
 
 @pytest.mark.subprocess

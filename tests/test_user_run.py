@@ -162,6 +162,34 @@ def test_the_saved_model_s_card_names_dppo_too(tmp_path, tiny_model_dir, train_d
     assert f'model="{tmp_path / "out"}"' in card and 'model="None"' not in card
 
 
+@pytest.mark.parametrize("dataset, named", [
+    ("trl-lib/DeepMath-103K", "on the [trl-lib/DeepMath-103K](https://huggingface.co/datasets/trl-lib/DeepMath-103K)"),
+    ("the reasoning-gym task `chain_sum`", "on the reasoning-gym task `chain_sum`."),
+])
+def test_the_card_names_the_training_set_where_known(tmp_path, tiny_model_dir, train_dataset, dataset, named):
+    """A Hub dataset by TRL's link; a reasoning-gym task or a local dataset in words (``dppo-trl`` sets it)."""
+    trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset)
+    trainer.create_model_card(model_name="my-model")
+    assert " on the " not in (tmp_path / "out" / "README.md").read_text().split("\n## Quick start")[0]  # unknown
+    trainer.model_card_dataset = dataset
+    trainer.create_model_card(model_name="my-model")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"the local model `{tiny_model_dir}` {named}" in card and "datasets/the" not in card
+
+
+def test_training_set_name_from_the_command_line(tmp_path):
+    from types import SimpleNamespace
+
+    from dppo_trl.cli.runtime import training_set_name
+
+    def named(task=None, name=None):
+        return training_set_name(SimpleNamespace(reasoning_gym_task=task, dataset_name=name))
+
+    assert named(task="chain_sum") == "the reasoning-gym task `chain_sum`"
+    assert named(name=str(tmp_path)) == f"the local dataset `{tmp_path}`"
+    assert named(name="trl-lib/DeepMath-103K") == "trl-lib/DeepMath-103K" and named() is None
+
+
 def test_the_card_of_a_trained_model_carries_the_runs_summary(tmp_path, tiny_model_dir, train_dataset):
     trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3)
     trainer.save_model(str(tmp_path / "out"))

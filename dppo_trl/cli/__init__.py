@@ -51,7 +51,7 @@ from .launch import (
     report,
 )
 from .recipes import bundled_recipes, recipes_dir
-from .runtime import _dppo_in_place_of_grpo, _reasoning_gym_as_dataset, interruption_line
+from .runtime import _dppo_in_place_of_grpo, _reasoning_gym_as_dataset, interruption_line, training_set_name
 
 INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (128 + SIGINT), as a shell reports it
 
@@ -84,7 +84,8 @@ def run(script_args, training_args, model_args, dataset_args, made: list | None 
 
     made = [] if made is None else made  # the trainer TRL's script builds, appended when it is built
     evaluates = training_args.eval_strategy != "no"
-    with _dppo_in_place_of_grpo(made), _reasoning_gym_as_dataset(script_args, evaluates):
+    dataset = training_set_name(script_args)  # before a reasoning-gym task is given a dataset name
+    with _dppo_in_place_of_grpo(made, dataset), _reasoning_gym_as_dataset(script_args, evaluates):
         grpo_main(script_args, training_args, model_args, dataset_args)
     accelerator = made[-1].accelerator if made else None
     if accelerator is not None and accelerator.num_processes > 1 and accelerator.device.type == "cpu":

@@ -11,11 +11,23 @@ import os
 import shlex
 
 
+def training_set_name(script_args) -> str | None:
+    """The training set as the model card names it: a reasoning-gym task or a local dataset in words, a Hub
+    dataset by its id; None for a mixture of ``datasets``."""
+    if script_args.reasoning_gym_task is not None:
+        return f"the reasoning-gym task `{script_args.reasoning_gym_task}`"
+    name = script_args.dataset_name
+    if name and os.path.exists(name):
+        return f"the local dataset `{name}`"
+    return name
+
+
 @contextlib.contextmanager
-def _dppo_in_place_of_grpo(made: list):
+def _dppo_in_place_of_grpo(made: list, dataset: str | None = None):
     """TRL's training script builds `trl.GRPOTrainer`; let it build DPPOTrainer instead, each one appended to
-    ``made`` (which keeps it alive after the script returns). A mistake the trainer finds in its inputs before the
-    model loads (``dppo_trl.preflight``) is a CLIError."""
+    ``made`` (which keeps it alive after the script returns), its model card naming ``dataset``
+    (``training_set_name``). A mistake the trainer finds in its inputs before the model loads
+    (``dppo_trl.preflight``) is a CLIError."""
     import trl
 
     from ..preflight import PreflightError
@@ -25,6 +37,7 @@ def _dppo_in_place_of_grpo(made: list):
     def build(*args, **kwargs):
         try:
             made.append(DPPOTrainer(*args, **kwargs))
+            made[-1].model_card_dataset = dataset
         except PreflightError as error:  # e.g. the loaded dataset has no prompt column: found before the model loads
             raise CLIError(str(error)) from None
         return made[-1]

@@ -74,6 +74,15 @@ def dppo_card_section(args, version: str, summary: dict | None = None) -> str:
     )
 
 
+def name_training_set(card: str, dataset: str | None) -> str:
+    """The card's first sentence names the training set: a Hub dataset by TRL's template (a link, passed to it as
+    ``dataset_name``), anything else (a local dataset, a reasoning-gym task: ``dataset`` in words, with a space)
+    appended here."""
+    if not dataset or " " not in dataset:
+        return card
+    return card.replace(".\nIt has been trained using [TRL]", f" on {dataset}.\nIt has been trained using [TRL]", 1)
+
+
 def name_local_model(card: str, model_path: str, output_dir: str) -> str:
     """TRL's card for a model loaded from a folder names no base model ("[None](https://huggingface.co/None)")
     and loads ``model="None"`` in its quick start: name the folder, and load the model from ``output_dir``."""
@@ -86,15 +95,22 @@ class DPPOModelCard:
 
     _name = "DPPO"
     _paper = PAPER
+    # The training set as the card names it, where known: a Hub dataset's id, or in words a local dataset or a
+    # reasoning-gym task (``dppo-trl`` sets it from ``dataset_name`` or ``reasoning_gym_task``).
+    model_card_dataset: str | None = None
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's card (it names DPPO and its paper), with the DPPO section appended."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        """TRL's card (it names DPPO and its paper, and the training set where known), with the DPPO section
+        appended."""
+        named = dataset_name or self.model_card_dataset
+        hub_id = named if named and " " not in named else None
+        super().create_model_card(model_name=model_name, dataset_name=hub_id, tags=tags)
         if not self.is_world_process_zero():
             return
         path = Path(self.args.output_dir, "README.md")
         base = get_config_model_id(self.model.config) or "(built in memory, without a name)"
         card = name_local_model(path.read_text(encoding="utf-8"), base, self.args.output_dir)
+        card = name_training_set(card, named)
         summary = self._summary.summary if "_summary" in self.__dict__ else None
         path.write_text(card + dppo_card_section(self.args, __version__, summary), encoding="utf-8")
 
