@@ -73,9 +73,15 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
             })
             self.__dict__["audit_s_this_step"] = self.__dict__.get("audit_s_this_step", 0.0) + seconds
 
-        def _draw_keep_mask(self, output, batch, scores):
-            super()._draw_keep_mask(output, batch, scores)
-            self.__dict__.setdefault("kept_fractions", []).append(float(batch.keep.float().mean()))
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            draw = self.keep_decision.draw
+
+            def recorded(output, batch, scores):
+                draw(output, batch, scores)
+                self.__dict__.setdefault("kept_fractions", []).append(float(batch.keep.float().mean()))
+
+            self.keep_decision.draw = recorded
 
     class StepTimes(TrainerCallback):
         def __init__(self):

@@ -89,7 +89,7 @@ def training_phase(trainer, batch, kind):
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
     from dppo_trl.core.packing import packed_allocation, plan_forward_calls
-    from dppo_trl.hooks.generation_batch import GenerationBatch
+    from dppo_trl.components.generation_batch import GenerationBatch
 
     batch = {k: v.clone() for k, v in batch.items()}
     spg = trainer.args.steps_per_generation
@@ -108,7 +108,7 @@ def training_phase(trainer, batch, kind):
         # The trainer's passes after scoring (DPPOTrainer._generate_and_score_completions), on the recorded batch.
         batch["ref_per_token_logps"] = torch.zeros(ids.size(0), width)
         decided = GenerationBatch(deferred_calls=[trainer.ref_model])
-        trainer._draw_keep_mask(batch, decided, batch["advantages"].abs())
+        trainer.keep_decision.draw(batch, decided, batch["advantages"].abs())
         keep = decided.keep
         batch["dppo_keep"], batch["dppo_weight"] = keep, decided.weights.float()
         batch.update(trainer._trl_split_of_rows(batch, decided))

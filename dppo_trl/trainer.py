@@ -9,7 +9,7 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - ``_prepare_inputs``: TRL's shuffle, then the kept rows (not TRL's equal split of all rows) make the
   ``steps_per_generation`` micro-batches, balanced by tokens when packing (TRL's own split under the entropy
   filter); each row carries its micro-batch of TRL's split, whose token count ``bnpo`` and the entropy bonus
-  divide by, so no statistic is taken over a packing bin. With prefix sharing (``hooks.prefix_sharing``) a group's
+  divide by, so no statistic is taken over a packing bin. With prefix sharing (``components.prefix_sharing``) a group's
   kept rows on a rank train together and forward their prompt once.
 - ``_get_per_token_logps_and_entropies``: defers the passes during scoring; with packing, runs them padding-free
   and unpacks the result into TRL's padded ``(B, T)`` layout, so TRL's loss code runs unchanged.
@@ -41,17 +41,21 @@ import time
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.extras import profiling
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .config import DPPOConfig, as_dppo_config, audit_sharding_refusal
 from .core.packing import is_varlen_attention
+from .host.view import HostView
 from .hooks.audit import GradientAudit
 from .hooks.checkpoint import load_dppo_state, save_dppo_state
-from .hooks.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
-from .hooks.keep_decision import KeepDecision
+from .adapters.grpo import GRPORewards
+from .components.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
+from .components.keep_decision import KeepDecision
+from .components.prefix_sharing import PrefixSharing
+from .components.view import local_rows
 from .hooks.model_card import DPPOModelCard
 from .hooks.placement import RowPlacement
-from .hooks.prefix_sharing import PrefixSharing
 from .hooks.prompt_pruning import PromptPruning
 from .hooks.summary import DPPOSummaryCallback, RunClock, write_summary
 from .hooks.weighted_loss import WeightedLoss
@@ -61,7 +65,7 @@ from .preflight import check_trainer_inputs
 
 
 class DPPOTrainer(
-    KeepDecision, RowPlacement, PrefixSharing, WeightedLoss, WeightedMetrics, PromptPruning, GradientAudit,
+    RowPlacement, WeightedLoss, WeightedMetrics, PromptPruning, GradientAudit,
     DPPOModelCard, GRPOTrainer,
 ):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
@@ -117,18 +121,29 @@ class DPPOTrainer(
                 "rollout_func or environment_factory yet: the probe's completions are spliced into the groups at "
                 "the single-turn generation. Use prompt_probe_generations=0 with a history prompt_score."
             )
+        self.view = HostView(self)
+        self.rewards = GRPORewards(self.reward_weights, self.num_generations, self.multi_objective_aggregation)
+        zero_score_contributes = self.beta != 0.0 or self._entropy_bonus_enabled
+        self.keep_decision = KeepDecision(args, self.rewards, self.view, zero_score_contributes,
+                                          self._measured_error_scale)
         unwrapped = self.accelerator.unwrap_model(self.model)
         text_config = unwrapped.config.get_text_config()
         attention = getattr(unwrapped.config, "_attn_implementation", None) or ""
         self._resolve_packing(unwrapped, text_config)
         self._varlen_attention = is_varlen_attention(attention)
-        self._prefix_sharing = self._resolve_prefix_sharing(text_config, attention)
+        self.prefix_sharing = PrefixSharing(self.args, text_config, attention, self.num_generations,
+                                            self.aux_loss_enabled, self._one_sequence_per_row)
         self._run_clock = RunClock()
         self._summary = DPPOSummaryCallback(self._run_clock, self._speed_metrics, self._speed_summary,
                                             self._audit_summary)
         self.add_callback(self._summary)
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))
+
+    @property
+    def last_global_keep(self) -> torch.Tensor | None:
+        """The last generation batch's rows (every rank's) that some iteration keeps, the same on every rank."""
+        return self.keep_decision.last_keep
 
     def _logps_dtype(self, model) -> torch.dtype:
         """The dtype of TRL's log-prob pass and loss: the model's, at least float32 (TRL's log-prob kernel's)."""
@@ -197,17 +212,18 @@ class DPPOTrainer(
                 "DPPO's training path (completion or prompt pruning, packing) does not support multimodal batches "
                 "yet; set completion_keep_rate=1.0, prompt_keep_rate=1.0 and packing=False."
             )
-        scores = self._global_scores(output["advantages"], batch)
-        self._draw_keep_mask(output, batch, scores)
+        scores = self.keep_decision.scores(output["advantages"], batch)
+        with profiling.profiling_context(self, "keep_decision"):
+            self.keep_decision.draw(output, batch, scores)
         if self.args.prompt_pruning:
             prompt_weights, count = self._take_prompt_decision(scores, batch)
             batch.iteration_weights = batch.iteration_weights * prompt_weights
             if count is not None:  # a token count fixed before this batch's draw (prompts.expected_candidate_tokens)
                 output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
         if self.args.completion_pruning or self.args.prompt_pruning:
-            self._log_pruning_metrics(batch, scores)
+            self.keep_decision.log_metrics(batch, scores)
         self._log_keep_columns(batch.iteration(0))
-        local, device = self._local(output["advantages"].size(0)), output["advantages"].device
+        local, device = local_rows(self.view, output["advantages"].size(0)), output["advantages"].device
         # dppo_keep: the rows some iteration trains (forwarded, moved); dppo_weight: the first iteration's weights
         # (the audit's and the vLLM metrics'); dppo_iteration_weights: (rows, num_iterations), each iteration's.
         output["dppo_keep"], output["dppo_weight"] = batch.keep[local].to(device), batch.weights[local].to(device)

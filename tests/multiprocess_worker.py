@@ -37,7 +37,7 @@ from support.configs import cpu_config, float64_settings  # noqa: E402
 from support.exact import use_float64_kernels  # noqa: E402
 from support.models import addition_prompts  # noqa: E402
 from support.processes import full_parameters, leave_without_destructors  # noqa: E402
-from support.recording import OptimizerGradients, Recorder, append  # noqa: E402
+from support.recording import OptimizerGradients, Recorder, append, wrap  # noqa: E402
 from support.rewards import random_reward  # noqa: E402
 from support.training import StopAt  # noqa: E402
 
@@ -69,8 +69,13 @@ class Worker(Recorder, DPPOTrainer):
                 append(self, "reference_passes", {k: out[k].detach().clone() for k in PASS_KEYS})
         return out
 
-    def _decide_keep(self, scores, batch):
-        decision = super()._decide_keep(scores, batch)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        wrap(self.keep_decision, "decide", self._record_own_decision)
+        wrap(self.keep_decision, "draw", self._record_draw)
+
+    def _record_own_decision(self, decide, scores, batch):
+        decision = decide(scores, batch)
         append(self, "own_masks", decision[0].any(0).int().tolist())  # before the broadcast (rows some iteration keeps)
         return decision
 
@@ -85,7 +90,7 @@ class Worker(Recorder, DPPOTrainer):
         append(self, "generated_groups", int(batch.cut.local(self.accelerator.process_index).sum()))
         return super()._take_prompt_decision(scores, batch)
 
-    def _draw_keep_mask(self, output, batch, advantages):
+    def _record_draw(self, draw, output, batch, advantages):
         if self.perturb_rank == self.accelerator.process_index:  # one ulp up: zeros become tiny positive scores
             advantages = torch.nextafter(advantages, torch.full_like(advantages, float("inf")))
         if "first_draw" not in self.__dict__:  # this rank's part of the first generation batch, for the oracle
@@ -94,7 +99,7 @@ class Worker(Recorder, DPPOTrainer):
                 "completion_lengths": output["completion_mask"].sum(1).tolist(),
                 "prompt_lengths": output["prompt_mask"].sum(1).tolist(),
             }
-        super()._draw_keep_mask(output, batch, advantages)
+        draw(output, batch, advantages)
         append(self, "iteration_masks", (batch.iteration_weights > 0).int().tolist())  # each iteration's own draw
 
 

@@ -25,7 +25,7 @@ from dppo_trl import DPPOTrainer
 from dppo_trl.core.packing import packed_allocation, plan_forward_calls
 from dppo_trl.core.estimator import SUPPORTED_LOSS_TYPES, full_batch_normalizer, horvitz_thompson_weights
 from dppo_trl.core.pruning import zero_spread_rows
-from dppo_trl.hooks.generation_batch import GenerationBatch
+from dppo_trl.components.generation_batch import GenerationBatch
 
 VARLEN = varlen_reference.register()
 

@@ -1,6 +1,7 @@
 """The package's layers (docs/layout.md): ``dppo_trl.core`` imports no TRL, transformers, accelerate or any other
-part of the package; ``dppo_trl.hooks`` imports neither the trainer nor the CLI; the import graph of the package's
-modules has no cycle."""
+part of the package; ``dppo_trl.components`` imports no TRL, transformers or accelerate and, of the package, only
+``core`` and one another's plain data (``generation_batch``, ``view``); ``dppo_trl.hooks`` imports neither the
+trainer nor the CLI; the import graph of the package's modules has no cycle."""
 
 import ast
 from pathlib import Path
@@ -44,6 +45,17 @@ def test_core_imports_nothing_of_trl_or_the_rest_of_the_package():
             assert top not in ("trl", "transformers", "accelerate", "datasets", "peft"), (path.name, name)
             if name.startswith("dppo_trl."):
                 assert name.startswith("dppo_trl.core"), (path.name, name)
+
+
+def test_components_import_no_trl_and_no_other_component_but_its_plain_data():
+    shared = ("dppo_trl.core", "dppo_trl.components.generation_batch", "dppo_trl.components.view")
+    paths = sorted((ROOT / "components").glob("*.py"))
+    assert len(paths) >= 4, "the components were not read"
+    for path in paths:
+        for name in imports_of(path):
+            assert name.split(".")[0] not in ("trl", "transformers", "accelerate", "peft"), (path.name, name)
+            if name.startswith("dppo_trl.") and name != "dppo_trl.components":
+                assert name.startswith(shared), (path.name, name)
 
 
 def test_hooks_import_neither_the_trainer_nor_the_cli():

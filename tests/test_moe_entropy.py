@@ -149,7 +149,7 @@ def test_a_micro_batch_that_kept_no_row_forwards_no_unkept_rows(tmp_path, tiny_m
     alone skips their forward (the filter acts on nothing there)."""
     from support.oracle import generation_batch_of
 
-    from dppo_trl.hooks.generation_batch import UNKEPT_ROWS_KEY
+    from dppo_trl.components.generation_batch import UNKEPT_ROWS_KEY
 
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, 3, top_entropy_quantile=0.5)
     batch = synthetic_batch(trainer)

@@ -18,7 +18,7 @@ from support.processes import run_two_processes
 from support.rewards import random_reward
 
 from dppo_trl import DPPOTrainer
-from dppo_trl.hooks.generation_batch import GenerationBatch
+from dppo_trl.components.generation_batch import GenerationBatch
 
 pytestmark = pytest.mark.subprocess  # torchrun
 
@@ -81,8 +81,8 @@ def test_two_ranks_agree_and_finish(tmp_path, tiny_model_dir, train_dataset, sam
         "prompt_mask": (columns.flip(0)[None] < lengths["prompt_lengths"][:, None]).long(),
     }
     batch = GenerationBatch()
-    single._draw_keep_mask(output, batch, advantages)
-    single._log_pruning_metrics(batch, advantages)
+    single.keep_decision.draw(output, batch, advantages)
+    single.keep_decision.log_metrics(batch, advantages)
     assert single.last_global_keep.int().tolist() == ranks[0]["masks"][0]
     # num_iterations 2: each iteration's own draw, the single process's too
     assert (batch.iteration_weights > 0).int().tolist() == ranks[0]["iteration_masks"][0]

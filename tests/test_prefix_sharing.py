@@ -50,14 +50,14 @@ def logps_shared_and_repeated(trainer, batch):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].size(1)
-    trainer._prefix_sharing = True
-    segments, _ = trainer._call_segments(ids, mask, width)
+    trainer.prefix_sharing.enabled = True
+    segments, _ = trainer.prefix_sharing.call_segments(ids, mask, width)
     prompts = batch["prompt_ids"].masked_fill(batch["prompt_mask"] == 0, -1).tolist()
     assert all(len({tuple(prompts[b]) for b in s}) == 1 for s in segments)
     assert len(segments) == len({tuple(p) for p in prompts}) < len(prompts)
     results = []
     for sharing in (True, False):
-        trainer._prefix_sharing = sharing
+        trainer.prefix_sharing.enabled = sharing
         results.append(trainer._packed_logps_and_entropies(trainer.model, ids, mask, width, compute_entropy=True))
     return results
 
@@ -175,7 +175,7 @@ def test_shared_logprobs_equal_repeated_in_float64(tmp_path, tiny_model_dir, tra
 def test_a_model_with_learned_absolute_positions_shares_exactly(tmp_path, tiny_gpt2_dir, train_dataset):
     """GPT-2: every branch keeps its tokens' positions (generation's), so shared == repeated here too."""
     trainer = make_trainer(tmp_path, tiny_gpt2_dir, train_dataset, "dapo", 0.0, 1)
-    assert trainer._prefix_sharing
+    assert trainer.prefix_sharing.enabled
     batch = grouped(synthetic_batch(trainer))
     with torch.no_grad():
         (logps, _, _), (repeated, _, _) = logps_shared_and_repeated(trainer, batch)
@@ -198,7 +198,7 @@ def assert_shared_loss_and_gradient_equal_repeated(trainer, keep):
     weights = torch.where(mask, torch.tensor([1.5, 2.0, 1.1, 1.2, 4.0, 1.0]), torch.zeros(N_ROWS)).double()
     results = {}
     for sharing in (True, False):
-        trainer._prefix_sharing = sharing
+        trainer.prefix_sharing.enabled = sharing
         results[sharing] = dppo_loss_and_grad(trainer, batch, mask, weights)
     (loss, grad), (repeated_loss, repeated_grad) = results[True], results[False]
     assert repeated_grad.abs().sum() > 0
@@ -225,11 +225,11 @@ def test_a_moe_model_without_its_router_loss_shares_exactly(tmp_path, tiny_moe_d
     """A MoE layer routes each token by its own hidden state, so a shared prefix token is routed as its repeated
     copies are. With the router loss off (``router_aux_loss_coef=0``) sharing is on, and DPPO's loss and gradient
     equal repeated rows'; with the released configs' router loss on, sharing is off."""
-    assert not make_trainer(tmp_path / "router-loss", tiny_moe_dir, train_dataset, "dapo", 0.0, 1)._prefix_sharing
+    assert not make_trainer(tmp_path / "router-loss", tiny_moe_dir, train_dataset, "dapo", 0.0, 1).prefix_sharing.enabled
     trainer = make_trainer(tmp_path, tiny_moe_dir, train_dataset, "dapo", 0.0, 1, float64=True,
                            router_aux_loss_coef=0.0,
                            model_init_kwargs={"dtype": torch.float64, "experts_implementation": "eager"})
-    assert trainer._prefix_sharing and not trainer.aux_loss_enabled
+    assert trainer.prefix_sharing.enabled and not trainer.aux_loss_enabled
     assert_shared_loss_and_gradient_equal_repeated(trainer, KEEPS["mixed"])
 
 
@@ -239,17 +239,17 @@ def test_on_by_default_where_exact_and_off_where_not(tmp_path, tiny_model_dir, t
 
     flash_name = varlen_reference.register()  # the CPU stand-in of flash attention's varlen kernel
 
-    assert make_trainer(tmp_path / "a", tiny_model_dir, train_dataset, "dapo", 0.0, 1)._prefix_sharing
-    with caplog.at_level(logging.WARNING, logger="dppo_trl.hooks.prefix_sharing"):
+    assert make_trainer(tmp_path / "a", tiny_model_dir, train_dataset, "dapo", 0.0, 1).prefix_sharing.enabled
+    with caplog.at_level(logging.WARNING, logger="dppo_trl.components.prefix_sharing"):
         flash = make_trainer(tmp_path / "b", tiny_model_dir, train_dataset, "dapo", 0.0, 1,
                              model_init_kwargs={"attn_implementation": flash_name})
-    assert not flash._prefix_sharing
+    assert not flash.prefix_sharing.enabled
     assert "Prefix sharing is off" in caplog.text and "varlen_reference" in caplog.text
     with pytest.raises(ValueError, match="prefix_sharing=True is not exact"):
         make_trainer(tmp_path / "c", tiny_model_dir, train_dataset, "dapo", 0.0, 1, prefix_sharing=True,
                      model_init_kwargs={"attn_implementation": flash_name})
     off = make_trainer(tmp_path / "d", tiny_model_dir, train_dataset, "dapo", 0.0, 1, prefix_sharing=False)
-    assert not off._prefix_sharing
+    assert not off.prefix_sharing.enabled
 
 
 def test_models_where_a_shared_prefix_is_not_exact_are_refused():

@@ -159,7 +159,7 @@ def test_a_shared_chat_prompt_gives_the_repeated_log_probs_and_gradients_at_floa
     first prompt once (its 60-odd tokens), against each row with its prompt (``prefix_sharing=False``)."""
     trainer = DPPOTrainer(smollm2_dir, spread_reward, args=config(DPPOConfig, tmp_path), train_dataset=chain_sum,
                           peft_config=lora())
-    assert trainer._prefix_sharing  # on by default on this model (sdpa)
+    assert trainer.prefix_sharing.enabled  # on by default on this model (sdpa)
     tokenizer, eos = trainer.processing_class, trainer.processing_class.eos_token_id
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -180,7 +180,7 @@ def test_a_shared_chat_prompt_gives_the_repeated_log_probs_and_gradients_at_floa
     weights = torch.randn(completion_mask.shape, generator=torch.Generator().manual_seed(0)) * completion_mask
     results = {}
     for sharing in (True, False):
-        trainer._prefix_sharing = sharing
+        trainer.prefix_sharing.enabled = sharing
         trainer.model.zero_grad()
         logps, *_ = trainer._packed_logps_and_entropies(trainer.model, ids, mask, c_width, compute_entropy=False)
         (logps * weights).sum().backward()

@@ -14,7 +14,7 @@ from support.marks import slow_unless
 from support.models import save_tiny_hybrid
 from support.oracle import as_float64, assert_exact, dppo_loss_and_grad, flat_gradient
 from support.outcomes import poisson_outcomes
-from support.recording import OptimizerGradients
+from support.recording import OptimizerGradients, wrap
 from support.training import StopAt, build
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -48,8 +48,12 @@ class DPPOWithItsDraws(DPPOTrainer):
     """DPPOTrainer keeping its first generation batch's decision (``decision``: ``GenerationBatch``) and what its
     scoring returned (``scored``: with the deferred passes' log-probs)."""
 
-    def _draw_keep_mask(self, output, batch, scores):
-        super()._draw_keep_mask(output, batch, scores)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        wrap(self.keep_decision, "draw", self._keep_first_decision)
+
+    def _keep_first_decision(self, draw, output, batch, scores):
+        draw(output, batch, scores)
         self.__dict__.setdefault("decision", batch)
 
     def _generate_and_score_completions(self, inputs):
@@ -233,13 +237,13 @@ def test_the_iterations_masks_are_independent_draws_of_the_same_design(tmp_path,
                     num_iterations=3, steps_per_generation=2, gradient_accumulation_steps=2)
     scores = torch.tensor([1.3, -0.2, 0.7, -0.9, 0.05, 0.4, -1.6, 0.0])
     lengths = torch.tensor([[4, 5, 5], [4, 3, 3], [4, 6, 6], [4, 2, 2], [4, 6, 6], [4, 1, 1], [4, 4, 4], [4, 3, 3]])
-    from dppo_trl.hooks.generation_batch import GenerationBatch
+    from dppo_trl.components.generation_batch import GenerationBatch
 
     batch = GenerationBatch(row_tokens=lengths, rewards_per_func=None)
     draws = []
     for position in range(3000):
         trainer.state.global_step = position
-        keeps, pi, _ = trainer._decide_keep(scores, batch)
+        keeps, pi, _ = trainer.keep_decision.decide(scores, batch)
         draws.append(keeps)
     keeps = torch.stack(draws).double()  # (draws, iterations, rows)
     assert pi[7] == 0 and ((pi > 0) & (pi < 1)).sum() >= 4

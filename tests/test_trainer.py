@@ -132,7 +132,7 @@ def test_pruned_rows_never_reach_a_forward_pass(tmp_path, tiny_model_dir, train_
         if sharing is False:
             assert totals["dppo"][0]["tokens"] == expected
         else:
-            assert totals["dppo"][1]._prefix_sharing and totals["dppo"][0]["tokens"] < expected
+            assert totals["dppo"][1].prefix_sharing.enabled and totals["dppo"][0]["tokens"] < expected
 
 
 def test_deferred_logprob_passes_equal_trls_on_the_kept_rows(tmp_path, tiny_model_dir, train_dataset):

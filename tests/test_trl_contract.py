@@ -33,6 +33,7 @@ TRL_ATTRIBUTES = {
     "num_iterations": int,
     "max_completion_length": int,
     "reward_weights": torch.Tensor,
+    "multi_objective_aggregation": str,
     "epsilon_low": NUMBER,
     "epsilon_high": NUMBER,
     "importance_sampling_level": str,
@@ -82,8 +83,8 @@ OVERRIDDEN_HOOKS = (
     "create_model_card",
 )
 # Attributes DPPO itself sets on the trainer outside its class bodies (the rest are defined there).
-DPPO_INSTANCE_ATTRIBUTES = {"_varlen_attention", "last_global_keep", "_audit_log", "__dict__", "_run_clock",
-                            "_run_started", "_summary"}
+DPPO_INSTANCE_ATTRIBUTES = {"_varlen_attention", "_audit_log", "__dict__", "_run_clock", "_run_started", "_summary",
+                            "view", "rewards", "keep_decision", "prefix_sharing"}
 
 
 def dppo_classes() -> list[ast.ClassDef]:
@@ -98,11 +99,18 @@ def dppo_classes() -> list[ast.ClassDef]:
 
 
 def attributes_used(classes) -> set[str]:
-    return {
+    """``self.X`` in the trainer's classes, and ``self._trainer.X`` in the host's view of it (``host/view.py``)."""
+    used = {
         node.attr
         for cls in classes
         for node in ast.walk(cls)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+    }
+    view = ast.parse((Path(dppo_trl.__file__).parent / "host" / "view.py").read_text())
+    return used | {
+        node.attr
+        for node in ast.walk(view)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "_trainer"
     }
 
 
@@ -181,7 +189,7 @@ def test_the_trl_helpers_dppo_imports_exist():
 
 
 def test_dppos_own_passes_report_to_trls_profiler(tiny_model_dir, train_dataset, tmp_path, monkeypatch):
-    """``profiling_decorator`` on the keep decision, the rank balance, the deferred log-prob passes, the packed
+    """TRL's profiler around the keep decision, the rank balance, the deferred log-prob passes, the packed
     forward and the micro-batch plan: TRL's profiler sees each (it logs them to wandb, mlflow or trackio)."""
     import contextlib
 
@@ -205,6 +213,6 @@ def test_dppos_own_passes_report_to_trls_profiler(tiny_model_dir, train_dataset,
     trainer = DPPOTrainer(str(tiny_model_dir), lambda completions, **kw: [float(len(c)) for c in completions],
                           args=args, train_dataset=train_dataset)
     trainer.train()
-    passes = {"_draw_keep_mask", "_balance_ranks", "_run_deferred_logps", "_packed_logps_and_entropies",
+    passes = {"keep_decision", "_balance_ranks", "_run_deferred_logps", "_packed_logps_and_entropies",
               "_kept_microbatches"}
     assert passes <= set(seen), sorted(passes - set(seen))

@@ -10,8 +10,8 @@ under reentrant checkpointing a backward into emptied ``.grad`` slots that are p
 settings, logged metrics and loss state are restored. The math is in ``dppo_trl.core.audit``.
 
 Reads of the host trainer: ``args``, ``accelerator``, ``model``, ``beta``, ``_entropy_bonus_enabled``, ``_metrics``,
-``compute_loss``, ``compute_loss_context_manager``, TRL's vLLM IS settings; ``_training_position``, ``_local``,
-``_global_scores`` (the keep decision), ``_deferred_pass_names``, ``_deferred_pass_model``, ``_logps_of`` (the
+``compute_loss``, ``compute_loss_context_manager``, TRL's vLLM IS settings; ``view`` (``host.view``),
+``keep_decision``, ``_deferred_pass_names``, ``_deferred_pass_model``, ``_logps_of`` (the
 placement)."""
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from ..core.audit import (
 )
 from ..core.batch import loss_mask
 from ..core.trl_formulas import vllm_importance_sampling_ratio
-from .generation_batch import AuditReference, GenerationBatch
+from ..components.generation_batch import AuditReference, GenerationBatch
+from ..components.view import local_rows
 from .summary import logged_mean
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class GradientAudit:
         """This generation batch's audit: ``COUNTED`` (an ``audit_every`` batch), ``TIMED`` (the speed check's) or
         None. A function of the training position and of what was timed so far, so the same on every rank."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        index = self._training_position() // generate_every
+        index = self.view.training_position() // generate_every
         if audited_batch(index, self.args.audit_every, self.args.seed):
             return COUNTED
         if self._speed_check_refusal() is None and self._audit_records()["speed_check_at"] is None:
@@ -140,11 +141,11 @@ class GradientAudit:
         A is on (``beta == 0``, no entropy bonus); ``_EXACT`` when every row that counts (score != 0, or every row
         with a loss token when such a term is on or the entropy filter's quantile takes every row's tokens) is kept
         at weight 1 on every rank; else ``_PRUNED``: compared and counted in the bias statistic."""
-        scores = self._global_scores(rows["advantages"], batch)
+        scores = self.keep_decision.scores(rows["advantages"], batch)
         without_a = self.beta != 0.0 or bool(getattr(self, "_entropy_bonus_enabled", False))
         if not without_a and bool((scores == 0).all()):
             return _NO_SIGNAL
-        local = scores[self._local(rows["advantages"].size(0))].to(rows["dppo_keep"].device)
+        local = scores[local_rows(self.view, rows["advantages"].size(0))].to(rows["dppo_keep"].device)
         every_row_counts = without_a or self.top_entropy_quantile < 1.0
         counts = loss_mask(rows).sum(1) > 0 if every_row_counts else local != 0
         missed = counts & ~(rows["dppo_keep"] & (rows["dppo_weight"] == 1))

@@ -15,7 +15,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from .._version import __version__
-from .generation_batch import GenerationBatch
+from ..components.generation_batch import GenerationBatch
 
 PAPER = {
     "title": "Dynamic Pruning Policy Optimization",

@@ -5,11 +5,10 @@ rows between ranks for an even token load, the deferred log-prob passes on the k
 
 Reads of the host trainer (and writes ``args.packing``, off for a length-dependent rotary: ``_resolve_packing``):
 ``args``, ``accelerator``, ``model``, ``ref_model``, ``beta``, ``top_entropy_quantile``,
-``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``, ``_prefix_sharing``,
-``_shares_prefixes``;
-``_get_per_token_logps_and_entropies`` (TRL's hook, DPPO's override), ``_seed_of`` (the keep decision),
-``_recompute_vllm_importance_sampling`` (the re-estimated metrics), ``_rank_units``, ``_call_segments`` and
-``_prefix_mask`` (``hooks.prefix_sharing``)."""
+``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``, ``prefix_sharing``
+(``components.prefix_sharing``);
+``_get_per_token_logps_and_entropies`` (TRL's hook, DPPO's override), ``view`` (``host.view``),
+``_recompute_vllm_importance_sampling`` (the re-estimated metrics)."""
 
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ from ..core.packing import (
     varlen_kwargs,
 )
 from ..core.model_support import length_dependent_rope, sequence_mixing_layers
-from .generation_batch import ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
+from ..components.generation_batch import ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +151,14 @@ class RowPlacement:
 
     def _rank_plan(self, batch: GenerationBatch, tolerance: float):
         """``(plan, loads before, loads after)``: ``balance_ranks`` over every rank's kept rows, or with prefix sharing
-        over its units (``_rank_units``: a group's rows move together, a rank's load counts a shared prompt once),
+        over its units (``PrefixSharing.rank_units``: a group's rows move together, a rank's load counts a shared
+        prompt once),
         expanded to rows: a rank's own rows in their order, then the rows it receives."""
-        if not self._shares_prefixes:
+        if not self.prefix_sharing.places_units:
             lengths = batch.kept_lengths_per_rank
             plan = balance_ranks(lengths, tolerance)
             return plan, [sum(r) for r in lengths], [sum(lengths[r][i] for r, i in rows) for rows in plan]
-        units = [self._rank_units(rows, batch) for rows in batch.kept_rows_per_rank]
+        units = [self.prefix_sharing.rank_units(rows, batch.row_tokens) for rows in batch.kept_rows_per_rank]
         unit_plan = balance_ranks([u[1] for u in units], tolerance)
         plan = []
         for dest, held in enumerate(unit_plan):
@@ -220,11 +220,12 @@ class RowPlacement:
         units, ``output_rows`` being the kept rows' indices in the generation batch)."""
         per_call = self.args.per_device_train_batch_size
         kept_lengths = batch.kept_lengths_per_rank
-        if self._shares_prefixes:  # one group's rows in one call, at most per_call of them
-            units_per_rank = [self._rank_units(kept, batch) for kept in batch.kept_rows_per_rank]
+        if self.prefix_sharing.places_units:  # one group's rows in one call, at most per_call of them
+            units_per_rank = [self.prefix_sharing.rank_units(kept, batch.row_tokens)
+                              for kept in batch.kept_rows_per_rank]
             plans = plan_calls_per_rank([u[1] for u in units_per_rank], batch.widths_per_rank, per_call,
                                         self._packed_budget, items_per_call=1, fit_longest=True)
-            mine = self._rank_units(output_rows, batch)[0]
+            mine = self.prefix_sharing.rank_units(output_rows, batch.row_tokens)[0]
             return [rows[torch.tensor([p for u in g for p in mine[u]], dtype=torch.long)]
                     for g in plans[self.accelerator.process_index]]
         if self.args.packing:
@@ -255,16 +256,16 @@ class RowPlacement:
         labels; with prefix sharing the rows of one prompt as one segment under a 4-D mask; with a variable-length
         kernel ``cu_seq_lens``), allocating no more than TRL's padded call of ``per_device_train_batch_size``
         rows, and unpacked into TRL's padded ``(B, T)`` layout."""
-        segments, lengths = self._call_segments(input_ids, attention_mask, logits_to_keep)
+        segments, lengths = self.prefix_sharing.call_segments(input_ids, attention_mask, logits_to_keep)
         call_budget = self.args.per_device_train_batch_size * input_ids.size(1)
         budget = self._packed_budget(input_ids.size(1))
-        rows = pack_call(lengths, budget, call_budget, fit_longest=self._prefix_sharing)
+        rows = pack_call(lengths, budget, call_budget, fit_longest=self.prefix_sharing.enabled)
         rows = [[segments[i] for i in row] for row in rows]
         packed = packed_inputs(input_ids, attention_mask, logits_to_keep, rows, self._tokenizer.pad_token_id)
         r, c, b, j = packed.pop("index")
         layout = packed.pop("layout")
         if any(len(segment) > 1 for segment in segments):  # each completion sees its prompt and its own tokens
-            packed["attention_mask"] = self._prefix_mask(layout, self.accelerator.unwrap_model(model).dtype)
+            packed["attention_mask"] = self.prefix_sharing.mask(layout, self.accelerator.unwrap_model(model).dtype)
         elif self._one_sequence_per_row:  # TRL's padding mask: no layer (nor the MoE router loss) reads the pad tail
             packed["attention_mask"] = (layout[0] == 0).long()
         elif self._varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
@@ -302,10 +303,10 @@ class RowPlacement:
         if self._microbatches_follow_trl_split:
             bins, sizes = self._trl_split_bins(trl_microbatch, kept)
             kept_anywhere, sizes = [size > 0 for size in sizes], [max(size, 1) for size in sizes]
-        elif self._shares_prefixes:
+        elif self.prefix_sharing.places_units:
             bins, sizes = self._unit_bins(kept.tolist(), [row_index[i] for i in kept.tolist()], batch, iteration)
         else:
-            generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan", iteration))
+            generator = torch.Generator().manual_seed(self.view.seed("microbatch_plan", iteration))
             positions, sizes = microbatch_plan(
                 [lengths[i] for i in kept.tolist()],
                 batch.kept_lengths_per_rank,
@@ -328,12 +329,12 @@ class RowPlacement:
         return microbatches
 
     def _unit_bins(self, kept: list[int], kept_rows: list[int], batch: GenerationBatch, iteration: int = 0):
-        """``(bins, sizes)`` with prefix sharing: ``microbatch_plan`` over units (``_rank_units``: one group's kept
-        rows on this rank, one segment), so a group's rows train in one micro-batch and forward their prompt
-        once. ``kept``: positions of this rank's kept rows; ``kept_rows``: their indices in the generation batch."""
-        units, unit_lengths, unit_rows = self._rank_units(kept_rows, batch)
-        every_rank = [self._rank_units(rows_of_rank, batch) for rows_of_rank in batch.kept_rows_per_rank]
-        generator = torch.Generator().manual_seed(self._seed_of("microbatch_plan", iteration))
+        """``(bins, sizes)`` with prefix sharing: ``microbatch_plan`` over units (``PrefixSharing.rank_units``: one
+        group's kept rows on this rank, one segment), so a group's rows train in one micro-batch and forward their
+        prompt once. ``kept``: positions of this rank's kept rows; ``kept_rows``: their indices in the generation batch."""
+        units, unit_lengths, unit_rows = self.prefix_sharing.rank_units(kept_rows, batch.row_tokens)
+        every_rank = [self.prefix_sharing.rank_units(rows, batch.row_tokens) for rows in batch.kept_rows_per_rank]
+        generator = torch.Generator().manual_seed(self.view.seed("microbatch_plan", iteration))
         positions, sizes = microbatch_plan(
             unit_lengths,
             [u[1] for u in every_rank],
@@ -367,11 +368,12 @@ class RowPlacement:
         for members, size in zip(bins, sizes):
             fillers = [1] * (size - len(members))  # a filler row forwards one token
             member_lengths = [lengths[i] for i in members]
-            if self._shares_prefixes:
-                member_lengths = self._rank_units([row_index[i] for i in members], batch)[1]
+            if self.prefix_sharing.places_units:
+                member_lengths = self.prefix_sharing.rank_units([row_index[i] for i in members], batch.row_tokens)[1]
             tokens_per_mb.append(float(sum(member_lengths)))
             if self.args.packing:
-                allocated += packed_allocation(member_lengths + fillers, budget, call_budget, self._shares_prefixes)
+                shared = self.prefix_sharing.places_units
+                allocated += packed_allocation(member_lengths + fillers, budget, call_budget, shared)
             else:
                 allocated += size * width
         stats = torch.tensor([sum(tokens_per_mb), allocated, max(tokens_per_mb), sum(tokens_per_mb) / len(bins),

@@ -5,7 +5,7 @@ spliced back into their groups), scored and trained, weighted ``1 / pi``. The ma
 
 Reads of the host trainer: ``args``, ``accelerator``, ``num_generations``, ``eos_token_ids``, ``_tokenizer``,
 ``reward_weights``, ``state``, ``_metrics``, ``_pending_extra_logs``, ``_pending_metrics``; TRL's ``_generate``
-and ``_calculate_rewards``; ``_same_on_every_rank``, ``_seed_of`` and ``_aggregated_rewards`` (the keep decision)."""
+and ``_calculate_rewards``; ``view`` (``host.view``) and ``rewards`` (``adapters.grpo``)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ..core.prompts import (
     prompt_score,
     spread_groups,
 )
-from .generation_batch import GenerationBatch
+from ..components.generation_batch import GenerationBatch
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class PromptPruning:
         candidates = [inputs[i] for i in range(0, len(inputs), group)]
         keys = gather_object([prompt_key(x["prompt"]) for x in candidates])
         probe = self._probe(candidates) if self.args.prompt_cut_runs and self.args.prompt_probe_generations else None
-        cut = self._same_on_every_rank(self._decide_cut(keys, probe, len(candidates)))
+        cut = self.view.same_on_every_rank(self._decide_cut(keys, probe, len(candidates)))
         cut.probe = probe
         local = cut.local(self.accelerator.process_index).tolist()
         rows = [row for j, taken in enumerate(local) if taken for row in inputs[j * group : (j + 1) * group]]
@@ -123,7 +123,7 @@ class PromptPruning:
             return PromptCut(keys, ones, ones.bool(), None, ranks)
         probe_rewards = None if probe is None else probe.rewards
         scores = prompt_score(self.args.prompt_score)(CutInputs(keys, history, probe_rewards))
-        generator = torch.Generator().manual_seed(self._seed_of("prompt_cut"))
+        generator = torch.Generator().manual_seed(self.view.seed("prompt_cut"))
         pi, keep = cut_decision(scores, ranks, accepted, self.args.prompt_keep_floor, generator)
         return PromptCut(keys, pi, keep, expected_candidate_tokens(lengths, self.num_generations), ranks)
 
@@ -137,7 +137,7 @@ class PromptPruning:
         with self._generating_groups_of(k), self._logs_untouched():
             _, completion_ids, _, completions, logprobs, *_ = self._generate(prompts)
             rewards_per_func = self._calculate_rewards(rows, prompts, completions, completion_ids)
-        rewards = self._aggregated_rewards(GenerationBatch(rewards_per_func=rewards_per_func))
+        rewards = self.rewards.aggregate(rewards_per_func)
         tokens = torch.tensor([self._probe_loss_tokens(ids) for ids in completion_ids], device=self.accelerator.device)
         loss_tokens = self.accelerator.gather(tokens).cpu()
 
@@ -203,7 +203,7 @@ class PromptPruning:
         loss_tokens = batch.loss_tokens.double()
         normalizer = float(loss_tokens.sum()) if cut.normalizer is None else cut.normalizer
         keys = [key for key, taken in zip(cut.keys, cut.accepted.tolist()) if taken]
-        group_rewards = self._aggregated_rewards(batch).double().view(-1, group)
+        group_rewards = self.rewards.aggregate(batch.rewards_per_func).double().view(-1, group)
         self._history().update(keys, scores.abs().view(-1, group).mean(1).tolist(),
                                loss_tokens.view(-1, group).mean(1).tolist(), group_rewards.nanmean(1).tolist())
         self._log_cut_metrics(cut, weights, loss_tokens, normalizer, group_rewards)

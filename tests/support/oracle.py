@@ -67,7 +67,7 @@ def as_float64(batch):
 def generation_batch_of(batch, keep):
     """The ``GenerationBatch`` of one rank's ``batch`` (TRL's rows) with the rows ``keep`` kept: their token counts
     and kept rows, as ``hooks.keep_decision`` records them."""
-    from dppo_trl.hooks.generation_batch import GenerationBatch
+    from dppo_trl.components.generation_batch import GenerationBatch
 
     prompt, completion = batch["prompt_mask"].sum(1), batch["completion_mask"].sum(1)
     return GenerationBatch(

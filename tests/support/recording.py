@@ -3,6 +3,8 @@
 recording each training generation batch's ``BATCH_KEYS``; ``recording(...)`` builds any other combination.
 Also: the gradient the optimizer receives at each step, and the rows and tokens of the log-prob passes."""
 
+import functools
+
 import torch
 from transformers import TrainerCallback
 
@@ -16,6 +18,13 @@ BATCH_KEYS = ("completion_ids", "prompt_mask", "completion_mask", "advantages", 
 def append(trainer, name, value):
     """Append ``value`` to the list ``trainer.<name>`` (made on first use, in the instance's own ``__dict__``)."""
     trainer.__dict__.setdefault(name, []).append(value)
+
+
+def wrap(obj, name, around):
+    """Replace the method ``obj.name`` on this instance by ``around(original, *args, **kwargs)`` (a component's
+    method, whose calls a test records or changes)."""
+    original = getattr(obj, name)
+    setattr(obj, name, functools.wraps(original)(lambda *args, **kwargs: around(original, *args, **kwargs)))
 
 
 def _copy(value, dtype):
@@ -48,6 +57,16 @@ class Recorder:
     record_prompt_decisions = False
     record_keep_draws = False
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.record_keep_draws:
+            wrap(self.keep_decision, "draw", self._record_keep_draw)
+
+    def _record_keep_draw(self, draw, output, batch, scores):
+        append(self, "drawn", (output["advantages"].clone(), scores.clone()))
+        append(self, "rewards", batch.rewards_per_func.clone())
+        return draw(output, batch, scores)
+
     def _generate_and_score_completions(self, inputs):
         if self.record_prompts:
             append(self, "prompts_seen", [x["prompt"] for x in inputs])
@@ -76,12 +95,6 @@ class Recorder:
         if self.record_prompt_decisions:
             append(self, "prompt_decisions", (weights, count, batch.cut))
         return weights, count
-
-    def _draw_keep_mask(self, output, batch, scores):
-        if self.record_keep_draws:
-            append(self, "drawn", (output["advantages"].clone(), scores.clone()))
-            append(self, "rewards", batch.rewards_per_func.clone())
-        return super()._draw_keep_mask(output, batch, scores)
 
 
 RECORDERS = ("batch_keys", "batch_dtype", "record_prompts", "record_masks", "record_audits", "record_error_scales",

@@ -1,0 +1,104 @@
+"""The components on a fake view (``components.view.SingleProcessView``): no trainer, no TRL. Each one's decisions
+follow from what it is given at construction and what its calls pass it."""
+
+import torch
+
+from dppo_trl import DPPOConfig
+from dppo_trl.adapters.grpo import GRPORewards
+from dppo_trl.components.generation_batch import GenerationBatch
+from dppo_trl.components.keep_decision import KeepDecision
+from dppo_trl.components.view import SingleProcessView
+
+GROUP = 4
+
+
+def keep_decision(tmp_path, view, **fields):
+    config = DPPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=GROUP, report_to=[], **fields)
+    rewards = GRPORewards(torch.ones(1), GROUP, config.multi_objective_aggregation)
+    return KeepDecision(config, rewards, view, zero_score_contributes=False)
+
+
+def scored_batch():
+    """Three groups of four rows: the second's rewards all equal (A is 0 there, TRL's float32 A 1e-4)."""
+    rewards = torch.tensor([[1.0], [0.0], [2.0], [0.0], [1.0], [1.0], [1.0], [1.0], [0.0], [3.0], [1.0], [1.0]])
+    advantages = torch.tensor([0.3, -0.8, 1.4, -0.8, 1e-4, 1e-4, -1e-4, 1e-4, -0.9, 1.6, -0.3, -0.3])
+    lengths = torch.arange(12) % 5 + 1
+    output = {
+        "advantages": advantages,
+        "prompt_mask": torch.ones(12, 3, dtype=torch.long),
+        "completion_mask": (torch.arange(6)[None] < lengths[:, None]).long(),
+    }
+    return output, GenerationBatch(rewards_per_func=rewards)
+
+
+def test_a_group_without_reward_spread_scores_exactly_zero(tmp_path):
+    decision = keep_decision(tmp_path, SingleProcessView(), completion_keep_rate=0.5)
+    output, batch = scored_batch()
+    scores = decision.scores(output["advantages"], batch)
+    assert scores[4:8].eq(0).all() and scores[:4].ne(0).all() and torch.equal(scores[8:], output["advantages"][8:])
+
+
+def test_each_iteration_draws_its_own_mask_weighted_by_one_over_its_keep_probability(tmp_path):
+    view = SingleProcessView(base_seed=3, steps_per_generation=2)
+    decision = keep_decision(tmp_path, view, completion_keep_rate=0.5, num_iterations=3, steps_per_generation=2)
+    output, batch = scored_batch()
+    scores = decision.scores(output["advantages"], batch)
+    decision.draw(output, batch, scores)
+    weights, pi = batch.iteration_weights, batch.keep_probabilities
+    assert weights.shape == (3, 12) and pi[4:8].eq(0).all()  # no signal: never kept
+    kept = weights > 0
+    assert torch.equal(weights[kept], (1 / pi).expand(3, 12)[kept])
+    assert torch.equal(batch.keep, kept.any(0))
+    assert batch.kept_rows_per_rank == [kept.any(0).nonzero().flatten().tolist()]
+    assert batch.row_tokens[:, 1].tolist() == output["completion_mask"].sum(1).tolist()
+    # each iteration's draw is the design's at that iteration's seed: the same again, another at another position
+    again = keep_decision(tmp_path, view, completion_keep_rate=0.5, num_iterations=3, steps_per_generation=2)
+    assert torch.equal(again.decide(scores, batch)[0], kept)
+    view.position = 1000
+    assert not torch.equal(again.decide(scores, batch)[0], kept)
+
+
+def test_the_metrics_go_to_the_views_sink_one_entry_per_iteration(tmp_path):
+    view = SingleProcessView()
+    decision = keep_decision(tmp_path, view, completion_keep_rate=0.5, num_iterations=2)
+    output, batch = scored_batch()
+    scores = decision.scores(output["advantages"], batch)
+    decision.draw(output, batch, scores)
+    decision.log_metrics(batch, scores)
+    assert view.metrics["dppo/logps_row_fraction"] == [float(batch.keep.float().mean())]
+    assert view.metrics["dppo/zero_advantage_fraction"] == [float(torch.tensor(4 / 12, dtype=torch.float32))] * 2
+    assert view.metrics["dppo/kept_fraction"] == [float((w > 0).float().mean()) for w in batch.iteration_weights]
+
+
+def prefix_sharing(tmp_path, router_loss=False, **fields):
+    from transformers import LlamaConfig
+
+    from dppo_trl.components.prefix_sharing import PrefixSharing
+
+    config = DPPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=GROUP, report_to=[],
+                        per_device_train_batch_size=8, **fields)
+    model_config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    return PrefixSharing(config, model_config, "sdpa", GROUP, router_loss, one_sequence_per_row=False)
+
+
+def test_a_ranks_units_are_its_groups_whatever_order_it_holds_its_rows_in(tmp_path):
+    sharing = prefix_sharing(tmp_path)
+    assert sharing.enabled and sharing.places_units
+    row_tokens = torch.tensor([[200, 3, 3]] * 4 + [[100, 5, 5]] * 4)  # long prompts: sharing pays
+    rows = [6, 1, 4, 2, 0]
+    units, lengths, counts = sharing.rank_units(rows, row_tokens)
+    assert sorted(sorted(rows[p] for p in unit) for unit in units) == [[0, 1, 2], [4, 6]]
+    # each prompt forwarded once (its last token starts each completion's branch: counted per row)
+    assert sorted(lengths) == [(100 - 1) + 2 * (5 + 1), (200 - 1) + 3 * (3 + 1)] and sorted(counts) == [2, 3]
+    shuffled = [2, 0, 6, 4, 1]
+    again = sharing.rank_units(shuffled, row_tokens)[0]
+    assert sorted(sorted(shuffled[p] for p in u) for u in again) == sorted(sorted(rows[p] for p in u) for u in units)
+
+
+def test_prefix_sharing_true_where_it_is_not_exact_is_refused_and_none_turns_it_off(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="prefix_sharing=True is not exact for this model"):
+        prefix_sharing(tmp_path, router_loss=True, prefix_sharing=True)
+    assert not prefix_sharing(tmp_path, router_loss=True).enabled
+    assert not prefix_sharing(tmp_path, packing=False).places_units
