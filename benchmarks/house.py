@@ -19,7 +19,9 @@ Static (``ast``):
   then, repeatedly, those they inherit from or hold: ``self.a = C(...)``, ``a: C``, a property ``-> C``). In their
   methods, each ``self.X`` and each call ``self.a.X(...)`` (not through a house attribute such as ``self.model``)
   where X, resolved by name over dppo_trl's classes (over what ``a`` holds where known), is a method the caller's
-  module does not define. Reported: caller -> owner pairs (with the names), sites, methods, methods reaching across.
+  module does not define. Reported: caller -> owner pairs (with the names), sites, methods, methods reaching across;
+  ``component_pairs``: those from one component (``dppo_trl.components``) to another (the view and the batch's
+  plain data aside): none, by design.
 - ``trl_private_reads``: lines of dppo_trl reading ``<expr>._name``, ``_name`` (no dunder) in ``dir(GRPOTrainer)``
   or assigned as ``self._name`` in ``GRPOTrainer``'s or ``Trainer``'s source; by file, name and receiver;
   ``trl_only_lines``: reading a name dppo_trl does not define as a method (no override); writes apart.
@@ -242,7 +244,12 @@ def self_pairs(trees: dict[str, ast.Module], house_attributes: set[str]) -> dict
                     pairs.setdefault(f"{key} -> {owner}", set()).add(name)
                 sites["self.X" if holder is None else "self.a.X()"] += 1
                 across.add(f"{key}.{method.name}")
+    components = "dppo_trl.components."
+    plain = (f"{components}view.", f"{components}generation_batch.")  # the view protocol and plain data
+    between = sorted(p for p in pairs if p.startswith(components)
+                     and p.split(" -> ")[1].startswith(components) and not p.split(" -> ")[1].startswith(plain))
     return {"pair_count": len(pairs), "pairs": {pair: sorted(names) for pair, names in sorted(pairs.items())},
+            "component_pairs": between,
             "sites": dict(sites), "classes": sorted(scope), "methods": methods,
             "methods_reaching_across": len(across)}
 

@@ -15,7 +15,7 @@ DPPO's decisions from the hook that makes them to the passes that use them.
   and unpacks the result into TRL's padded ``(B, T)`` layout, so TRL's loss code runs unchanged.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled to
   the full-batch normalizer; the KL term, the entropy bonus and the MoE router loss weighted the same way and
-  added beside it; TRL's logged means become weighted ones (``hooks.weighted_loss``, ``hooks.weighted_metrics``).
+  added beside it; TRL's logged means become weighted ones (``hooks.weighted_loss``, ``components.weighted_metrics``).
 - ``get_high_entropy_mask``: TRL's entropy filter over the kept rows and, forwarded without gradient, the rows of
   the same TRL micro-batch that were not kept: GRPO's quantile.
 - ``_calculate_rewards``: keeps the rewards in the batch (rows whose A is 0 in exact arithmetic score 0).
@@ -53,19 +53,19 @@ from .adapters.grpo import GRPORewards
 from .components.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 from .components.keep_decision import KeepDecision
 from .components.prefix_sharing import PrefixSharing
+from .components.weighted_metrics import PolicyRatioSettings, WeightedMetrics
 from .components.view import local_rows
 from .hooks.model_card import DPPOModelCard
 from .hooks.placement import RowPlacement
 from .hooks.prompt_pruning import PromptPruning
 from .hooks.summary import DPPOSummaryCallback, RunClock, write_summary
 from .hooks.weighted_loss import WeightedLoss
-from .hooks.weighted_metrics import WeightedMetrics
 from .output_dir import check_output_dir, record_outputs
 from .preflight import check_trainer_inputs
 
 
 class DPPOTrainer(
-    RowPlacement, WeightedLoss, WeightedMetrics, PromptPruning, GradientAudit,
+    RowPlacement, WeightedLoss, PromptPruning, GradientAudit,
     DPPOModelCard, GRPOTrainer,
 ):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
@@ -122,10 +122,11 @@ class DPPOTrainer(
                 "the single-turn generation. Use prompt_probe_generations=0 with a history prompt_score."
             )
         self.view = HostView(self)
-        self.rewards = GRPORewards(self.reward_weights, self.num_generations, self.multi_objective_aggregation)
+        self.reward_form = GRPORewards(self.reward_weights, self.num_generations, self.multi_objective_aggregation)
         zero_score_contributes = self.beta != 0.0 or self._entropy_bonus_enabled
-        self.keep_decision = KeepDecision(args, self.rewards, self.view, zero_score_contributes,
+        self.keep_decision = KeepDecision(args, self.reward_form, self.view, zero_score_contributes,
                                           self._measured_error_scale)
+        self.weighted_metrics = WeightedMetrics(self._policy_ratio_settings(), self.view, self.get_gamma_weights)
         unwrapped = self.accelerator.unwrap_model(self.model)
         text_config = unwrapped.config.get_text_config()
         attention = getattr(unwrapped.config, "_attn_implementation", None) or ""
@@ -144,6 +145,17 @@ class DPPOTrainer(
     def last_global_keep(self) -> torch.Tensor | None:
         """The last generation batch's rows (every rank's) that some iteration keeps, the same on every rank."""
         return self.keep_decision.last_keep
+
+    def _policy_ratio_settings(self) -> PolicyRatioSettings:
+        """TRL's settings of the policy ratio and of the vLLM correction, as ``GRPOTrainer`` resolved them."""
+        a = self.args
+        return PolicyRatioSettings(
+            self.loss_type, self.epsilon_low, self.epsilon_high, self.importance_sampling_level,
+            self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+            vespo=dict(k_pos=a.vespo_k_pos, lambda_pos=a.vespo_lambda_pos, k_neg=a.vespo_k_neg,
+                       lambda_neg=a.vespo_lambda_neg),
+        )
 
     def _logps_dtype(self, model) -> torch.dtype:
         """The dtype of TRL's log-prob pass and loss: the model's, at least float32 (TRL's log-prob kernel's)."""
@@ -280,7 +292,7 @@ class DPPOTrainer(
         with self._trl_batch_terms_off(weight, unkept) as loss_pass:
             loss = super()._compute_loss(model, inputs)
         loss, logps, entropies, mask = self._with_weighted_terms(loss, inputs, weight, scales, loss_pass)
-        self._log_weighted_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
+        self.weighted_metrics.log_loss_metrics(inputs, advantages, logps, entropies, mask, weight)
         return loss
 
     def get_high_entropy_mask(self, entropies, mask, threshold):

@@ -1,6 +1,7 @@
 """The components on a fake view (``components.view.SingleProcessView``): no trainer, no TRL. Each one's decisions
 follow from what it is given at construction and what its calls pass it."""
 
+import pytest
 import torch
 
 from dppo_trl import DPPOConfig
@@ -96,9 +97,48 @@ def test_a_ranks_units_are_its_groups_whatever_order_it_holds_its_rows_in(tmp_pa
 
 
 def test_prefix_sharing_true_where_it_is_not_exact_is_refused_and_none_turns_it_off(tmp_path):
-    import pytest
-
     with pytest.raises(ValueError, match="prefix_sharing=True is not exact for this model"):
         prefix_sharing(tmp_path, router_loss=True, prefix_sharing=True)
     assert not prefix_sharing(tmp_path, router_loss=True).enabled
     assert not prefix_sharing(tmp_path, packing=False).places_units
+
+
+def test_trls_means_over_the_kept_rows_become_weighted_estimates_in_the_views_sink():
+    from dppo_trl.components.weighted_metrics import PolicyRatioSettings, WeightedMetrics
+
+    view = SingleProcessView()
+    names = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    for name in names:
+        view.log_metric(name, -1.0)  # TRL's plain means of this micro-batch
+    settings = PolicyRatioSettings("dapo", 0.2, 0.2, "token", "token_truncate", None, 2.0)
+    metrics = WeightedMetrics(settings, view)
+    entropies = torch.tensor([[1.0, 2.0, 0.0], [4.0, 4.0, 4.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    logps = torch.zeros(2, 3, dtype=torch.float64)
+    old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)  # one token's ratio e^-1 < 0.8
+    inputs = {"old_per_token_logps": old}
+    metrics.log_loss_metrics(inputs, torch.tensor([1.0, -1.0]), logps, entropies, mask, torch.tensor([1.0, 3.0]))
+    assert view.metrics["entropy"] == [pytest.approx((1 + 2 + 3 * 12) / (2 + 3 * 3))]
+    assert view.metrics["clip_ratio/low_mean"] == [pytest.approx(3 / 11)]  # A < 0 and the ratio under 1 - eps
+    assert view.metrics["clip_ratio/high_mean"] == [0.0]
+
+
+def test_a_sampling_metric_without_an_estimate_is_dropped_not_logged_as_trls():
+    from dppo_trl.components.weighted_metrics import PolicyRatioSettings, WeightedMetrics
+
+    view = SingleProcessView()
+    for name in ("sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/mean",
+                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max",
+                 "sampling/sampling_logp_difference/max"):
+        view.log_metric(name, 7.0)
+    settings = PolicyRatioSettings("dapo", 0.2, 0.2, "token", "token_truncate", None, 2.0)
+    output = {
+        "old_per_token_logps": torch.zeros(2, 2), "sampling_per_token_logps": torch.full((2, 2), float("nan")),
+        "completion_mask": torch.ones(2, 2), "importance_sampling_ratio": torch.ones(2, 2),
+        "dppo_weight": torch.tensor([2.0, 0.0]), "dppo_origin_rank": torch.zeros(2, dtype=torch.long),
+    }
+    WeightedMetrics(settings, view).recompute_vllm_importance_sampling(output, torch.tensor([0]))
+    # the kept row's tokens were never scored by the sampler: no logp difference, a ratio of 1
+    assert "sampling/sampling_logp_difference/mean" not in view.metrics
+    assert "sampling/sampling_logp_difference/max" not in view.metrics
+    assert view.metrics["sampling/importance_sampling_ratio/mean"] == [1.0]

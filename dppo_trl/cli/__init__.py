@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except KeyboardInterrupt:
         if plan is None and is_main_process():  # under a launch, its main process says it
-            print(interruption_line(made[-1] if made else None, output_dir, argv), file=sys.stderr, flush=True)
+            line = interruption_line(made[-1] if made else None, output_dir, argv)
+            print(f"\n{line}", file=sys.stderr, flush=True)  # on a line of its own, after a progress bar's
         return INTERRUPTED
     return 0

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from ..core.metrics import drop_last_entry
 from ..core.seeds import derive_seed
 
 
@@ -37,6 +38,12 @@ class TrainerView(Protocol):
 
     def log_metric(self, name: str, value: float) -> None:
         """One value of the train metric ``name`` (TRL's log averages a step's values)."""
+
+    def replace_metric(self, name: str, value: float) -> None:
+        """``value`` in place of the value last logged for ``name`` (TRL's, of the same pass)."""
+
+    def drop_metric(self, name: str) -> None:
+        """Remove the value last logged for ``name`` (no estimate of it), and the name once it holds none."""
 
 
 def local_rows(view: TrainerView, rows_per_rank: int) -> slice:
@@ -68,3 +75,9 @@ class SingleProcessView:
 
     def log_metric(self, name, value):
         self.metrics[name].append(value)
+
+    def replace_metric(self, name, value):
+        self.metrics[name][-1] = value
+
+    def drop_metric(self, name):
+        drop_last_entry(self.metrics, name)

@@ -8,7 +8,7 @@ Reads of the host trainer (and writes ``args.packing``, off for a length-depende
 ``vllm_importance_sampling_mode``, ``_tokenizer``, ``_metrics``, ``_varlen_attention``, ``prefix_sharing``
 (``components.prefix_sharing``);
 ``_get_per_token_logps_and_entropies`` (TRL's hook, DPPO's override), ``view`` (``host.view``),
-``_recompute_vllm_importance_sampling`` (the re-estimated metrics)."""
+``weighted_metrics`` (``components.weighted_metrics``)."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ class RowPlacement:
                     else:  # this rank has no row for this call: one filler keeps the call counts equal
                         self._logps_of(model, input_ids[:1], filler_mask, logits_to_keep, 1)
         if "importance_sampling_ratio" in output:  # on every rank: it gathers metrics
-            self._recompute_vllm_importance_sampling(output, rows)
+            self.weighted_metrics.recompute_vllm_importance_sampling(output, rows)
 
     def _deferred_pass_names(self, calls: list) -> list[str]:
         """The output key each deferred call fills. TRL calls, in order: the old-policy pass (only when it needs

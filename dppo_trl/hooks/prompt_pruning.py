@@ -5,7 +5,7 @@ spliced back into their groups), scored and trained, weighted ``1 / pi``. The ma
 
 Reads of the host trainer: ``args``, ``accelerator``, ``num_generations``, ``eos_token_ids``, ``_tokenizer``,
 ``reward_weights``, ``state``, ``_metrics``, ``_pending_extra_logs``, ``_pending_metrics``; TRL's ``_generate``
-and ``_calculate_rewards``; ``view`` (``host.view``) and ``rewards`` (``adapters.grpo``)."""
+and ``_calculate_rewards``; ``view`` (``host.view``) and ``reward_form`` (``adapters.grpo``)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ class PromptPruning:
         with self._generating_groups_of(k), self._logs_untouched():
             _, completion_ids, _, completions, logprobs, *_ = self._generate(prompts)
             rewards_per_func = self._calculate_rewards(rows, prompts, completions, completion_ids)
-        rewards = self.rewards.aggregate(rewards_per_func)
+        rewards = self.reward_form.aggregate(rewards_per_func)
         tokens = torch.tensor([self._probe_loss_tokens(ids) for ids in completion_ids], device=self.accelerator.device)
         loss_tokens = self.accelerator.gather(tokens).cpu()
 
@@ -203,7 +203,7 @@ class PromptPruning:
         loss_tokens = batch.loss_tokens.double()
         normalizer = float(loss_tokens.sum()) if cut.normalizer is None else cut.normalizer
         keys = [key for key, taken in zip(cut.keys, cut.accepted.tolist()) if taken]
-        group_rewards = self.rewards.aggregate(batch.rewards_per_func).double().view(-1, group)
+        group_rewards = self.reward_form.aggregate(batch.rewards_per_func).double().view(-1, group)
         self._history().update(keys, scores.abs().view(-1, group).mean(1).tolist(),
                                loss_tokens.view(-1, group).mean(1).tolist(), group_rewards.nanmean(1).tolist())
         self._log_cut_metrics(cut, weights, loss_tokens, normalizer, group_rewards)

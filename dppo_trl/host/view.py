@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from accelerate.utils import broadcast_object_list
 
+from ..core.metrics import drop_last_entry
 from ..core.seeds import derive_seed
 
 
@@ -57,3 +58,9 @@ class HostView:
 
     def log_metric(self, name: str, value: float) -> None:
         self._trainer._metrics["train"][name].append(value)
+
+    def replace_metric(self, name: str, value: float) -> None:
+        self._trainer._metrics["train"][name][-1] = value
+
+    def drop_metric(self, name: str) -> None:
+        drop_last_entry(self._trainer._metrics["train"], name)
