@@ -111,13 +111,13 @@ def training_phase(trainer, batch, kind):
         trainer.keep_decision.draw(batch, decided, batch["advantages"].abs())
         keep = decided.keep
         batch["dppo_keep"], batch["dppo_weight"] = keep, decided.weights.float()
-        batch.update(trainer._trl_split_of_rows(batch, decided))
+        batch.update(trainer.placement.trl_split_of_rows(batch, decided))
         trainer._run_deferred_logps(batch, decided)
-        microbatches = trainer._kept_microbatches(shuffle_sequence_dict(batch), decided)
+        microbatches = trainer.placement.kept_microbatches(shuffle_sequence_dict(batch), decided)
         kept_real = float(lengths[keep].sum())
         real = 2 * kept_real
         if kind == "dppo+packing":
-            budget, call = trainer._packed_budget(ids.size(1)), trainer.args.per_device_train_batch_size * ids.size(1)
+            budget, call = trainer.placement.packed_budget(ids.size(1)), trainer.args.per_device_train_batch_size * ids.size(1)
             calls = plan_forward_calls(lengths[keep].tolist(), trainer.args.per_device_train_batch_size, budget, call)
             allocated = sum(packed_allocation([int(lengths[keep][i]) for i in g], budget, call) for g in calls) + sum(
                 packed_allocation((mb["prompt_mask"].sum(1) + mb["completion_mask"].sum(1)).tolist(), budget, call)

@@ -5,7 +5,7 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 
 - ``_generate_and_score_completions``: TRL generates, scores and computes advantages on the FULL groups; the
   old-policy and reference log-prob passes it would run before scoring are only recorded, then run after the
-  keep mask is drawn, on the kept rows alone (``hooks.keep_decision``, ``hooks.placement``).
+  keep mask is drawn, on the kept rows alone (``components.keep_decision``, ``components.placement``, ``host.passes``).
 - ``_prepare_inputs``: TRL's shuffle, then the kept rows (not TRL's equal split of all rows) make the
   ``steps_per_generation`` micro-batches, balanced by tokens when packing (TRL's own split under the entropy
   filter); each row carries its micro-batch of TRL's split, whose token count ``bnpo`` and the entropy bonus
@@ -52,11 +52,12 @@ from .hooks.checkpoint import load_dppo_state, save_dppo_state
 from .adapters.grpo import GRPORewards
 from .components.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 from .components.keep_decision import KeepDecision
+from .components.placement import RowPlacement, resolve_packing
 from .components.prefix_sharing import PrefixSharing
 from .components.weighted_metrics import PolicyRatioSettings, WeightedMetrics
 from .components.view import local_rows
 from .hooks.model_card import DPPOModelCard
-from .hooks.placement import RowPlacement
+from .host.passes import LogProbPasses
 from .hooks.prompt_pruning import PromptPruning
 from .hooks.summary import DPPOSummaryCallback, RunClock, write_summary
 from .hooks.weighted_loss import WeightedLoss
@@ -65,13 +66,14 @@ from .preflight import check_trainer_inputs
 
 
 class DPPOTrainer(
-    RowPlacement, WeightedLoss, PromptPruning, GradientAudit,
+    LogProbPasses, WeightedLoss, PromptPruning, GradientAudit,
     DPPOModelCard, GRPOTrainer,
 ):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
     batch, with the same expected loss and gradient (see ``DPPOConfig`` and ``docs/estimator.md``)."""
 
     _tag_names = ["trl", "grpo", "dppo"]
+    RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
     _scoring: GenerationBatch | None = None  # the batch TRL is scoring (its log-prob passes are deferred)
     _loss_pass = None  # the LossPass while DPPO's loss runs TRL's (hooks.weighted_loss)
 
@@ -121,6 +123,19 @@ class DPPOTrainer(
                 "rollout_func or environment_factory yet: the probe's completions are spliced into the groups at "
                 "the single-turn generation. Use prompt_probe_generations=0 with a history prompt_score."
             )
+        self._build_components()
+        self._run_clock = RunClock()
+        self._summary = DPPOSummaryCallback(self._run_clock, self._speed_metrics, self._speed_summary,
+                                            self._audit_summary)
+        self.add_callback(self._summary)
+        if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError(audit_sharding_refusal(self.args.audit_every))
+
+    def _build_components(self) -> None:
+        """DPPO's components, each given what it depends on (TRL's settings as ``GRPOTrainer`` resolved them) and
+        the trainer's view (``host.view``). Where the model makes packing inexact, ``args.packing`` is turned off
+        (``components.placement.resolve_packing``)."""
+        args = self.args
         self.view = HostView(self)
         self.reward_form = GRPORewards(self.reward_weights, self.num_generations, self.multi_objective_aggregation)
         zero_score_contributes = self.beta != 0.0 or self._entropy_bonus_enabled
@@ -130,16 +145,15 @@ class DPPOTrainer(
         unwrapped = self.accelerator.unwrap_model(self.model)
         text_config = unwrapped.config.get_text_config()
         attention = getattr(unwrapped.config, "_attn_implementation", None) or ""
-        self._resolve_packing(unwrapped, text_config)
-        self._varlen_attention = is_varlen_attention(attention)
-        self.prefix_sharing = PrefixSharing(self.args, text_config, attention, self.num_generations,
-                                            self.aux_loss_enabled, self._one_sequence_per_row)
-        self._run_clock = RunClock()
-        self._summary = DPPOSummaryCallback(self._run_clock, self._speed_metrics, self._speed_summary,
-                                            self._audit_summary)
-        self.add_callback(self._summary)
-        if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise ValueError(audit_sharding_refusal(self.args.audit_every))
+        layout = resolve_packing(args.packing, unwrapped, text_config, is_varlen_attention(attention))
+        args.packing = layout.packing
+        self.prefix_sharing = PrefixSharing(args, text_config, attention, self.num_generations, self.aux_loss_enabled,
+                                            layout.one_sequence_per_row)
+        self.placement = RowPlacement(
+            args, layout, self.prefix_sharing, self.view, follow_trl_split=self.top_entropy_quantile < 1.0,
+            per_sequence_ratio=str(self.vllm_importance_sampling_mode).startswith("sequence"),
+            pad_token_id=self._tokenizer.pad_token_id, tolerance=self.RANK_BALANCE_TOLERANCE,
+        )
 
     @property
     def last_global_keep(self) -> torch.Tensor | None:
@@ -241,8 +255,9 @@ class DPPOTrainer(
         output["dppo_keep"], output["dppo_weight"] = batch.keep[local].to(device), batch.weights[local].to(device)
         output[ITERATION_WEIGHTS_KEY] = batch.iteration_weights[:, local].T.contiguous().to(device)
         audit_rows = dict(output) if audited else None  # this rank's rows before any exchange
-        output.update(self._trl_split_of_rows(output, batch))
-        output = self._balance_ranks(output, batch)
+        output.update(self.placement.trl_split_of_rows(output, batch))
+        with profiling.profiling_context(self, "rank_balance"):
+            output = self.placement.balance_ranks(output, batch)
         with self._audit_timer(audited) as logps:
             self._run_deferred_logps(output, batch)
         batch.logps_seconds = logps.seconds
@@ -277,7 +292,8 @@ class DPPOTrainer(
         microbatches = []
         for k in range(weights.size(1)):
             own = {**rows, "dppo_keep": weights[:, k] > 0, "dppo_weight": weights[:, k]}
-            microbatches += self._kept_microbatches(own, batch.iteration(k), iteration=k)
+            with profiling.profiling_context(self, "microbatch_plan"):
+                microbatches += self.placement.kept_microbatches(own, batch.iteration(k), iteration=k)
         return microbatches
 
     def _compute_loss(self, model, inputs):
@@ -297,7 +313,7 @@ class DPPOTrainer(
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
         """TRL's entropy filter. While DPPO's loss runs on this trainer, the micro-batch holds the kept rows of
-        TRL's own micro-batch (``_microbatches_follow_trl_split``) and the entropies of its rows that were not kept
+        TRL's own micro-batch (``RowPlacement.follow_trl_split``) and the entropies of its rows that were not kept
         (``LossPass.unkept``): TRL's filter runs over them all, so its quantile is GRPO's, computed as TRL computes
         it, and the mask of the kept rows is recorded in the ``LossPass``. DPPO's state is read from the instance
         only: anything else (TRL's own tests call this on a ``Mock(spec=GRPOTrainer)``) gets TRL's."""

@@ -142,3 +142,61 @@ def test_a_sampling_metric_without_an_estimate_is_dropped_not_logged_as_trls():
     assert "sampling/sampling_logp_difference/mean" not in view.metrics
     assert "sampling/sampling_logp_difference/max" not in view.metrics
     assert view.metrics["sampling/importance_sampling_ratio/mean"] == [1.0]
+
+
+def placement(tmp_path, view, **fields):
+    from dppo_trl.components.placement import ModelLayout, RowPlacement
+
+    config = DPPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=GROUP, report_to=[],
+                        per_device_train_batch_size=4, prefix_sharing=False, **fields)
+    sharing = prefix_sharing(tmp_path, prefix_sharing=False)
+    return RowPlacement(config, ModelLayout(packing=config.packing), sharing, view, follow_trl_split=False,
+                        per_sequence_ratio=False, pad_token_id=0, tolerance=0.1)
+
+
+def padded_rows(lengths: list[tuple[int, int]], prompt_width=4, completion_width=5, seed=0):
+    """TRL's padded rows: prompts left-padded, completions right-padded, token ids drawn in [1, 50)."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    prompt_ids = torch.randint(1, 50, (n, prompt_width), generator=g)
+    completion_ids = torch.randint(1, 50, (n, completion_width), generator=g)
+    prompt_mask = torch.stack([(torch.arange(prompt_width) >= prompt_width - p).long() for p, _ in lengths])
+    completion_mask = torch.stack([(torch.arange(completion_width) < c).long() for _, c in lengths])
+    return {"prompt_ids": prompt_ids * prompt_mask, "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids * completion_mask, "completion_mask": completion_mask}
+
+
+def test_a_packed_call_puts_each_completion_token_back_where_trl_has_it(tmp_path):
+    rows = padded_rows([(4, 5), (2, 1), (3, 3), (1, 5), (4, 2)])
+    call = placement(tmp_path, SingleProcessView()).packed_call(
+        torch.cat([rows["prompt_ids"], rows["completion_ids"]], 1),
+        torch.cat([rows["prompt_mask"], rows["completion_mask"]], 1), 5, torch.float32,
+    )
+    assert call.model_inputs["input_ids"].numel() < 5 * 9  # padding-free: fewer positions than TRL's padded call
+    # the packed labels, unpacked, are the completion tokens: each log-prob lands on its token
+    labels = call.unpacked(call.model_inputs["shift_labels"].double(), torch.float64)
+    assert torch.equal(labels.long() * rows["completion_mask"], rows["completion_ids"])
+
+
+def test_the_kept_rows_fill_the_microbatches_once_each_the_rest_zero_weight_fillers(tmp_path):
+    from dppo_trl.components.generation_batch import GenerationBatch
+
+    view = SingleProcessView(steps_per_generation=2)
+    rows = padded_rows([(4, 5), (2, 1), (3, 3), (1, 5), (4, 2), (2, 2), (3, 1), (1, 1)])
+    keep = torch.tensor([True, False, True, True, False, True, True, False])
+    rows.update(advantages=torch.arange(8.0) + 1, dppo_keep=keep, dppo_weight=keep.double() * 2)
+    lengths = rows["prompt_mask"].sum(1) + rows["completion_mask"].sum(1)
+    batch = GenerationBatch(row_tokens=torch.stack([rows["prompt_mask"].sum(1), rows["completion_mask"].sum(1),
+                                                    rows["completion_mask"].sum(1)], 1),
+                            kept_rows_per_rank=[keep.nonzero().flatten().tolist()])
+    placer = placement(tmp_path, view, steps_per_generation=2, packing=True)
+    rows.update(placer.trl_split_of_rows(rows, batch))
+    microbatches = placer.kept_microbatches(rows, batch)
+    assert len(microbatches) == 2 and batch.kept_lengths_per_rank == [lengths[keep].tolist()]
+    trained = torch.cat([mb["advantages"][mb["dppo_weight"] > 0] for mb in microbatches])
+    assert sorted(trained.tolist()) == rows["advantages"][keep].tolist()  # each kept row once, none other
+    fillers = torch.cat([mb["completion_mask"][mb["dppo_weight"] == 0].sum(1) for mb in microbatches])
+    assert (fillers == 0).all()  # a filler has no loss token
+    assert len(view.metrics["dppo/token_density"]) == 1 and 0 < view.metrics["dppo/token_density"][0] <= 1
+    again = placer.kept_microbatches(rows, batch)  # the plan is the seed's: the same again
+    assert all(torch.equal(a["advantages"], b["advantages"]) for a, b in zip(microbatches, again))

@@ -37,7 +37,7 @@ def test_packed_logprobs_equal_padded_under_flash_semantics(tmp_path, tiny_model
     if budget is not None:
         extra["max_packed_tokens"] = budget  # several packed rows per call
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.05, 1, **extra)
-    assert trainer._varlen_attention
+    assert trainer.placement.layout.varlen_attention
     batch = synthetic_batch(trainer)
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
@@ -132,8 +132,8 @@ def test_each_optimizer_step_gets_a_fair_share_of_rows_when_ga_is_below_spg(tmp_
     first_rows, first_long, first_sizes = [], [], set()
     for seed in range(400):
         trainer.args.prune_seed = seed
-        split = {**batch, **trainer._trl_split_of_rows(batch, state), "dppo_keep": keep}
-        microbatches = trainer._kept_microbatches(split, state)
+        split = {**batch, **trainer.placement.trl_split_of_rows(batch, state), "dppo_keep": keep}
+        microbatches = trainer.placement.kept_microbatches(split, state)
         real = [mb["completion_mask"].sum(1) for mb in microbatches[:ga]]  # the first optimizer step's rows
         first_rows.append(sum(int((r > 0).sum()) for r in real))
         first_long.append(sum(int((r == comp).sum()) for r in real))

@@ -154,12 +154,12 @@ def test_a_micro_batch_that_kept_no_row_forwards_no_unkept_rows(tmp_path, tiny_m
     trainer = make_trainer(tmp_path, tiny_model_dir, train_dataset, "dapo", 0.0, 3, top_entropy_quantile=0.5)
     batch = synthetic_batch(trainer)
     rows = dict(batch)
-    rows.update(trainer._trl_split_of_rows(rows, generation_batch_of(batch, torch.ones(N_ROWS, dtype=torch.bool))))
+    rows.update(trainer.placement.trl_split_of_rows(rows, generation_batch_of(batch, torch.ones(N_ROWS, dtype=torch.bool))))
     first = rows["dppo_trl_microbatch"] == 0
     keep = first.clone()
     keep[first.nonzero()[0]] = False  # one row of micro-batch 0 kept, one not
     rows["dppo_keep"], rows["dppo_weight"] = keep, keep.double()
-    microbatches = trainer._kept_microbatches(dict(rows), generation_batch_of(batch, keep))
+    microbatches = trainer.placement.kept_microbatches(dict(rows), generation_batch_of(batch, keep))
     assert [UNKEPT_ROWS_KEY in mb for mb in microbatches] == [True, False, False]
     assert microbatches[0][UNKEPT_ROWS_KEY]["prompt_ids"].size(0) == 1
 

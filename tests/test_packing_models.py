@@ -83,7 +83,7 @@ def test_a_hybrid_model_packs_one_sequence_per_row_and_is_grpo(tmp_path, hybrid_
     kind, model_dir = hybrid_dir
     with caplog.at_level(logging.WARNING):
         dppo = assert_dppo_is_grpo(tmp_path, model_dir, train_dataset, 1e-6, packing=True, max_packed_tokens=64)
-    assert dppo.args.packing and dppo._one_sequence_per_row and not dppo.prefix_sharing.places_units
+    assert dppo.args.packing and dppo.placement.layout.one_sequence_per_row and not dppo.prefix_sharing.places_units
     assert sum("one sequence in each row" in r.getMessage() for r in caplog.records) == 1
 
 

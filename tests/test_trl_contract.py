@@ -1,7 +1,7 @@
 """The TRL contract: every attribute of ``GRPOTrainer`` that DPPO's trainer and hooks read or write exists on a
 real ``GRPOTrainer`` with the expected type, every TRL hook DPPO overrides keeps the parameters DPPO's override
 takes, and the TRL helpers DPPO imports exist. Re-run on every TRL upgrade; a new ``self.X`` in dppo_trl/trainer.py
-or dppo_trl/hooks/ fails here until it is listed (TRL's, with its type) or defined by DPPO."""
+or dppo_trl/hooks/ or dppo_trl/host/ fails here until it is listed (TRL's, with its type) or defined by DPPO."""
 
 import ast
 import inspect
@@ -83,9 +83,9 @@ OVERRIDDEN_HOOKS = (
     "create_model_card",
 )
 # Attributes DPPO itself sets on the trainer outside its class bodies (the rest are defined there).
-DPPO_INSTANCE_ATTRIBUTES = {"_varlen_attention", "_audit_log", "__dict__", "_run_clock", "_run_started", "_summary",
+DPPO_INSTANCE_ATTRIBUTES = {"_audit_log", "__dict__", "_run_clock", "_run_started", "_summary",
                             "view", "reward_form", "keep_decision", "prefix_sharing",
-                            "weighted_metrics"}
+                            "weighted_metrics", "placement"}
 
 
 def dppo_classes() -> list[ast.ClassDef]:
@@ -93,7 +93,7 @@ def dppo_classes() -> list[ast.ClassDef]:
     names = {cls.__name__ for cls in DPPOTrainer.__mro__ if cls.__module__.startswith("dppo_trl")}
     root = Path(dppo_trl.__file__).parent
     found = []
-    for path in [root / "trainer.py", *sorted((root / "hooks").glob("*.py"))]:
+    for path in [root / "trainer.py", *sorted((root / "hooks").glob("*.py")), *sorted((root / "host").glob("*.py"))]:
         found += [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name in names]
     assert {c.name for c in found} == names
     return found
@@ -214,6 +214,6 @@ def test_dppos_own_passes_report_to_trls_profiler(tiny_model_dir, train_dataset,
     trainer = DPPOTrainer(str(tiny_model_dir), lambda completions, **kw: [float(len(c)) for c in completions],
                           args=args, train_dataset=train_dataset)
     trainer.train()
-    passes = {"keep_decision", "_balance_ranks", "_run_deferred_logps", "_packed_logps_and_entropies",
-              "_kept_microbatches"}
+    passes = {"keep_decision", "rank_balance", "_run_deferred_logps", "_packed_logps_and_entropies",
+              "microbatch_plan"}
     assert passes <= set(seen), sorted(passes - set(seen))

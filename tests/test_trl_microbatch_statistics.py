@@ -4,7 +4,7 @@ TRL takes some terms over each micro-batch of its random split: ``bnpo`` divides
 the entropy bonus is the micro-batch's token-mean entropy, the entropy filter (``top_entropy_quantile``) cuts at
 a quantile of the micro-batch's token entropies. DPPO's packing bins are token-balanced, not a random sample, so
 no such statistic may be taken over a bin. DPPO carries each row's TRL micro-batch (TRL's shuffle replayed,
-its token count, ``DPPOTrainer._trl_split_of_rows``): ``bnpo`` and the entropy bonus divide each row's term by
+its token count, ``RowPlacement.trl_split_of_rows``): ``bnpo`` and the entropy bonus divide each row's term by
 its own TRL micro-batch's count, wherever the row trains; under the filter the micro-batches are TRL's split
 itself. With every row kept, DPPO's gradients are then GRPOTrainer's, for every loss type and option, here in
 float64 with GA == spg (one optimizer step takes the batch) and, under the filter, also with GA < spg."""

@@ -81,12 +81,12 @@ def dppo_loss_and_grad(trainer, batch, keep, weights):
     the rows, whose micro-batch token counts ``bnpo`` and the entropy bonus divide by, drawn before the mask)."""
     b = dict(batch)
     state = generation_batch_of(batch, keep)
-    b.update(trainer._trl_split_of_rows(b, state))
+    b.update(trainer.placement.trl_split_of_rows(b, state))
     b["dppo_keep"] = keep
     b["dppo_weight"] = weights.to(batch["advantages"].dtype)
     trainer.model.zero_grad()
     total = 0.0
-    for mb in trainer._kept_microbatches(b, state):
+    for mb in trainer.placement.kept_microbatches(b, state):
         loss = trainer._compute_loss(trainer.model, mb)
         loss.backward()
         total += loss.item()
