@@ -19,7 +19,7 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - ``get_high_entropy_mask``: TRL's entropy filter over the kept rows and, forwarded without gradient, the rows of
   the same TRL micro-batch that were not kept: GRPO's quantile.
 - ``_calculate_rewards``: keeps the rewards in the batch (rows whose A is 0 in exact arithmetic score 0).
-- Prompt pruning (``hooks.prompt_pruning``): the cut of each step's candidates before generation, the probe's
+- Prompt pruning (``components.prompt_cut``, ``host.prompt_probe``): the cut of each step's candidates before generation, the probe's
   completions spliced into the accepted groups (``_generate_single_turn``).
 - The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch; the speed
   check (``speed_check``): GRPO's passes timed once beside DPPO's, what the run saved in ``log``'s last call and the
@@ -54,11 +54,12 @@ from .components.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEP
 from .components.keep_decision import KeepDecision
 from .components.placement import RowPlacement, resolve_packing
 from .components.prefix_sharing import PrefixSharing
+from .components.prompt_cut import PromptCutter
 from .components.weighted_metrics import PolicyRatioSettings, WeightedMetrics
 from .components.view import local_rows
 from .hooks.model_card import DPPOModelCard
 from .host.passes import LogProbPasses
-from .hooks.prompt_pruning import PromptPruning
+from .host.prompt_probe import PromptProbe
 from .hooks.summary import DPPOSummaryCallback, RunClock, write_summary
 from .hooks.weighted_loss import WeightedLoss
 from .output_dir import check_output_dir, record_outputs
@@ -66,7 +67,7 @@ from .preflight import check_trainer_inputs
 
 
 class DPPOTrainer(
-    LogProbPasses, WeightedLoss, PromptPruning, GradientAudit,
+    LogProbPasses, WeightedLoss, PromptProbe, GradientAudit,
     DPPOModelCard, GRPOTrainer,
 ):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
@@ -141,6 +142,7 @@ class DPPOTrainer(
         zero_score_contributes = self.beta != 0.0 or self._entropy_bonus_enabled
         self.keep_decision = KeepDecision(args, self.reward_form, self.view, zero_score_contributes,
                                           self._measured_error_scale)
+        self.prompt_cutter = PromptCutter(args, self.reward_form, self.view)
         self.weighted_metrics = WeightedMetrics(self._policy_ratio_settings(), self.view, self.get_gamma_weights)
         unwrapped = self.accelerator.unwrap_model(self.model)
         text_config = unwrapped.config.get_text_config()
@@ -242,7 +244,7 @@ class DPPOTrainer(
         with profiling.profiling_context(self, "keep_decision"):
             self.keep_decision.draw(output, batch, scores)
         if self.args.prompt_pruning:
-            prompt_weights, count = self._take_prompt_decision(scores, batch)
+            prompt_weights, count = self.prompt_cutter.take_decision(scores, batch)
             batch.iteration_weights = batch.iteration_weights * prompt_weights
             if count is not None:  # a token count fixed before this batch's draw (prompts.expected_candidate_tokens)
                 output["num_items_in_batch"] = torch.tensor(count, device=output["advantages"].device)
@@ -325,7 +327,7 @@ class DPPOTrainer(
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's generation; while a step with a probe is scored, only the accepted groups' rows the probe did not
-        generate, the probe's completions spliced back in (``hooks.prompt_pruning``)."""
+        generate, the probe's completions spliced back in (``components.prompt_cut``)."""
         cut = self._scoring.cut if self._scoring is not None else None
         if cut is None or cut.probe is None:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
@@ -335,7 +337,7 @@ class DPPOTrainer(
             return super(DPPOTrainer, self)._generate_single_turn(rows, None, multimodal_fields, count,
                                                                   has_tool_images)
 
-        return self._spliced_generation(cut, prompt_ids, generate, num_generations)
+        return self.prompt_cutter.spliced(cut, prompt_ids, generate, num_generations)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """TRL's training, once ``output_dir`` holds nothing of the user's that a save of this run would overwrite
@@ -379,7 +381,7 @@ class DPPOTrainer(
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            states = {"prompt_pruning": self._prompt_pruning_state_dict(), "audit": self._audit_state_dict(),
+            states = {"prompt_pruning": self.prompt_cutter.state_dict(), "audit": self._audit_state_dict(),
                       "run": self._run_clock.state_dict()}
             if os.path.isdir(folder):  # rotation deletes a new checkpoint below an older run's higher step
                 save_dppo_state(folder, states)
@@ -394,7 +396,7 @@ class DPPOTrainer(
         super()._load_optimizer_and_scheduler(checkpoint)
         states = load_dppo_state(checkpoint)
         if self.args.prompt_pruning and "prompt_pruning" in states:
-            self._load_prompt_pruning_state_dict(states["prompt_pruning"])
+            self.prompt_cutter.load_state_dict(states["prompt_pruning"])
         if "audit" in states:
             self._load_audit_state_dict(states["audit"])
         if checkpoint and "run" in states:

@@ -73,22 +73,24 @@ class Worker(Recorder, DPPOTrainer):
         super().__init__(*args, **kwargs)
         wrap(self.keep_decision, "decide", self._record_own_decision)
         wrap(self.keep_decision, "draw", self._record_draw)
+        wrap(self.prompt_cutter, "decide", self._record_own_cut)
+        wrap(self.prompt_cutter, "take_decision", self._perturbed_prompt_decision)
 
     def _record_own_decision(self, decide, scores, batch):
         decision = decide(scores, batch)
         append(self, "own_masks", decision[0].any(0).int().tolist())  # before the broadcast (rows some iteration keeps)
         return decision
 
-    def _decide_cut(self, keys, probe, candidates_per_rank):
-        cut = super()._decide_cut(keys, probe, candidates_per_rank)
+    def _record_own_cut(self, decide, keys, probe, candidates_per_rank):
+        cut = decide(keys, probe, candidates_per_rank)
         append(self, "own_q", cut.pi.tolist())  # this rank's own acceptance probabilities, before the broadcast
         return cut
 
-    def _take_prompt_decision(self, scores, batch):
+    def _perturbed_prompt_decision(self, take_decision, scores, batch):
         if self.perturb_rank == self.accelerator.process_index:  # the history this rank keeps, one ulp off
             scores = torch.nextafter(scores, torch.full_like(scores, float("inf")))
         append(self, "generated_groups", int(batch.cut.local(self.accelerator.process_index).sum()))
-        return super()._take_prompt_decision(scores, batch)
+        return take_decision(scores, batch)
 
     def _record_draw(self, draw, output, batch, advantages):
         if self.perturb_rank == self.accelerator.process_index:  # one ulp up: zeros become tiny positive scores

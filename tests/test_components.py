@@ -200,3 +200,25 @@ def test_the_kept_rows_fill_the_microbatches_once_each_the_rest_zero_weight_fill
     assert len(view.metrics["dppo/token_density"]) == 1 and 0 < view.metrics["dppo/token_density"][0] <= 1
     again = placer.kept_microbatches(rows, batch)  # the plan is the seed's: the same again
     assert all(torch.equal(a["advantages"], b["advantages"]) for a, b in zip(microbatches, again))
+
+
+def test_the_cut_accepts_every_candidate_until_it_knows_them_then_m_of_p_weighted_one_over_pi(tmp_path):
+    from dppo_trl.components.generation_batch import GenerationBatch
+    from dppo_trl.components.prompt_cut import PromptCutter
+
+    config = DPPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=GROUP, report_to=[],
+                        prompt_keep_rate=0.5, prompt_probe_generations=0, prompt_score="ema")
+    view = SingleProcessView()
+    cutter = PromptCutter(config, GRPORewards(torch.ones(1), GROUP), view)
+    keys = ["a", "b", "c", "d"]
+    first = cutter.decide(keys, None, candidates_per_rank=4)
+    assert first.accepted.all() and first.normalizer is None and cutter.state_dict() is not None
+    rewards = torch.tensor([[0.0], [1.0], [0.0], [1.0]] * 2 + [[1.0]] * 8)  # a, b spread; c, d flat
+    batch = GenerationBatch(rewards_per_func=rewards, row_tokens=torch.tensor([[3, 5, 5]] * 16), cut=first)
+    scores = torch.tensor([1.0, -1.0, 1.0, -1.0] * 2 + [0.0] * 8)
+    weights, normalizer = cutter.take_decision(scores, batch)
+    assert torch.equal(weights, torch.ones(16, dtype=torch.float64)) and normalizer is None
+    assert view.metrics["dppo/prompt_accepted_fraction"] == [1.0] and view.metrics["dppo/prompt_flat_fraction"] == [0.5]
+    second = cutter.decide(keys, None, candidates_per_rank=4)
+    assert int(second.accepted.sum()) == 2 and float(second.pi.sum()) == pytest.approx(2.0)
+    assert second.normalizer == pytest.approx(4 * 4 * 5)  # GRPO's count, every candidate's group: fixed before

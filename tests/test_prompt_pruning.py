@@ -451,7 +451,7 @@ def test_keep_rate_one_is_the_core_trainer_bit_for_bit(tmp_path, tiny_model_dir,
         train(DPPOTrainer, tmp_path / name, tiny_model_dir, small_dataset, reward=coarse_reward, max_steps=3, **extra)
         for name, extra in (("a", {}), ("b", {"prompt_keep_rate": 1.0}))
     ]
-    assert runs[1]._prompt_history is None
+    assert runs[1].prompt_cutter.history is None
     for name, p in params_of(runs[0]).items():
         assert torch.equal(p, params_of(runs[1])[name])
 

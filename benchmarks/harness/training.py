@@ -47,10 +47,18 @@ def timed(trainer_cls):
             finally:
                 self.bench_phase["generation"] += time.perf_counter() - start
 
-        def _take_prompt_decision(self, *args, **kwargs):
-            weights, normalizer = super()._take_prompt_decision(*args, **kwargs)
-            self._bench_prompt_weights = weights.detach().double().cpu()
-            return weights, normalizer
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            cutter = getattr(self, "prompt_cutter", None)  # DPPO's prompt cut: each decision's weights recorded
+            if cutter is not None:
+                take_decision = cutter.take_decision
+
+                def recorded(scores, batch):
+                    weights, normalizer = take_decision(scores, batch)
+                    self._bench_prompt_weights = weights.detach().double().cpu()
+                    return weights, normalizer
+
+                cutter.take_decision = recorded
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             if not getattr(self, "_bench_in_scoring", False):  # the loss pass: its own phase

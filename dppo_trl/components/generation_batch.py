@@ -54,7 +54,7 @@ class GenerationBatch:
         audit: GRPO's version of this rank's rows when the batch is audited, else None.
         generation_seconds: TRL's generation and scoring of the batch on this rank (audited batches; else 0).
         logps_seconds: DPPO's deferred log-prob passes over the kept rows on this rank (audited batches; else 0).
-        cut: prompt pruning's cut of the step's candidates (``hooks.prompt_pruning.PromptCut``), or None.
+        cut: prompt pruning's cut of the step's candidates (``components.prompt_cut.PromptCut``), or None.
     """
 
     deferred_calls: list = dataclasses.field(default_factory=list)

@@ -59,8 +59,10 @@ class Recorder:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.record_keep_draws:
+        if self.record_keep_draws and hasattr(self, "keep_decision"):  # DPPO's components (GRPO has none)
             wrap(self.keep_decision, "draw", self._record_keep_draw)
+        if self.record_prompt_decisions and hasattr(self, "prompt_cutter"):
+            wrap(self.prompt_cutter, "take_decision", self._record_prompt_decision)
 
     def _record_keep_draw(self, draw, output, batch, scores):
         append(self, "drawn", (output["advantages"].clone(), scores.clone()))
@@ -90,10 +92,9 @@ class Recorder:
             append(self, "scales", (list(self._audit_records()["ratio"]), scale))
         return scale
 
-    def _take_prompt_decision(self, scores, batch):
-        weights, count = super()._take_prompt_decision(scores, batch)
-        if self.record_prompt_decisions:
-            append(self, "prompt_decisions", (weights, count, batch.cut))
+    def _record_prompt_decision(self, take_decision, scores, batch):
+        weights, count = take_decision(scores, batch)
+        append(self, "prompt_decisions", (weights, count, batch.cut))
         return weights, count
 
 
