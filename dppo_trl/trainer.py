@@ -15,12 +15,13 @@ DPPO's decisions from the hook that makes them to the passes that use them.
   and unpacks the result into TRL's padded ``(B, T)`` layout, so TRL's loss code runs unchanged.
 - ``_compute_loss``: TRL's loss with each kept row's advantage scaled by its Horvitz-Thompson weight, rescaled to
   the full-batch normalizer; the KL term, the entropy bonus and the MoE router loss weighted the same way and
-  added beside it; TRL's logged means become weighted ones (``hooks.weighted_loss``, ``components.weighted_metrics``).
+  added beside it; TRL's logged means become weighted ones (``components.weighted_loss``, ``host.loss``,
+  ``components.weighted_metrics``).
 - ``get_high_entropy_mask``: TRL's entropy filter over the kept rows and, forwarded without gradient, the rows of
   the same TRL micro-batch that were not kept: GRPO's quantile.
 - ``_calculate_rewards``: keeps the rewards in the batch (rows whose A is 0 in exact arithmetic score 0).
-- Prompt pruning (``components.prompt_cut``, ``host.prompt_probe``): the cut of each step's candidates before generation, the probe's
-  completions spliced into the accepted groups (``_generate_single_turn``).
+- Prompt pruning (``components.prompt_cut``, ``host.prompt_probe``): the cut of each step's candidates before
+  generation, the probe's completions spliced into the accepted groups (``_generate_single_turn``).
 - The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch; the speed
   check (``speed_check``): GRPO's passes timed once beside DPPO's, what the run saved in ``log``'s last call and the
   summary line (``hooks.summary``).
@@ -55,19 +56,20 @@ from .components.keep_decision import KeepDecision
 from .components.placement import RowPlacement, resolve_packing
 from .components.prefix_sharing import PrefixSharing
 from .components.prompt_cut import PromptCutter
+from .components.weighted_loss import WeightedLoss
 from .components.weighted_metrics import PolicyRatioSettings, WeightedMetrics
 from .components.view import local_rows
 from .hooks.model_card import DPPOModelCard
 from .host.passes import LogProbPasses
 from .host.prompt_probe import PromptProbe
 from .hooks.summary import DPPOSummaryCallback, RunClock, write_summary
-from .hooks.weighted_loss import WeightedLoss
+from .host.loss import DPPOLoss
 from .output_dir import check_output_dir, record_outputs
 from .preflight import check_trainer_inputs
 
 
 class DPPOTrainer(
-    LogProbPasses, WeightedLoss, PromptProbe, GradientAudit,
+    LogProbPasses, DPPOLoss, PromptProbe, GradientAudit,
     DPPOModelCard, GRPOTrainer,
 ):
     """Drop-in replacement of ``GRPOTrainer`` that trains on a random, reweighted subset of each generation
@@ -76,7 +78,7 @@ class DPPOTrainer(
     _tag_names = ["trl", "grpo", "dppo"]
     RANK_BALANCE_TOLERANCE = 0.1  # a rank's kept tokens may exceed the mean by this fraction before rows move
     _scoring: GenerationBatch | None = None  # the batch TRL is scoring (its log-prob passes are deferred)
-    _loss_pass = None  # the LossPass while DPPO's loss runs TRL's (hooks.weighted_loss)
+    _loss_pass = None  # the LossPass while DPPO's loss runs TRL's (host.loss)
 
     def __init__(
         self,
@@ -143,6 +145,7 @@ class DPPOTrainer(
         self.keep_decision = KeepDecision(args, self.reward_form, self.view, zero_score_contributes,
                                           self._measured_error_scale)
         self.prompt_cutter = PromptCutter(args, self.reward_form, self.view)
+        self.weighted_loss = WeightedLoss(args, self.loss_type, self.max_completion_length, self.view)
         self.weighted_metrics = WeightedMetrics(self._policy_ratio_settings(), self.view, self.get_gamma_weights)
         unwrapped = self.accelerator.unwrap_model(self.model)
         text_config = unwrapped.config.get_text_config()
@@ -304,9 +307,9 @@ class DPPOTrainer(
         inputs = dict(inputs)
         weight = inputs.pop("dppo_weight")
         unkept = self._unkept_entropies(model, inputs.pop(UNKEPT_ROWS_KEY, None), inputs)
-        scales = self._loss_scales(inputs, weight)
+        scales = self.weighted_loss.scales(inputs, weight, self.current_gradient_accumulation_steps)
         advantages = inputs["advantages"]
-        inputs["advantages"] = self._weighted_advantages(advantages, scales.policy_weight)
+        inputs["advantages"] = self.weighted_loss.weighted_advantages(advantages, scales.policy_weight)
         with self._trl_batch_terms_off(weight, unkept) as loss_pass:
             loss = super()._compute_loss(model, inputs)
         loss, logps, entropies, mask = self._with_weighted_terms(loss, inputs, weight, scales, loss_pass)

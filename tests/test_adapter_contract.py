@@ -44,7 +44,8 @@ class ScoredGRPO(GRPOTrainer):
 ])
 def test_grpo_rewards_aggregate_and_zero_advantage_rows_are_trls(tmp_path, tiny_model_dir, train_dataset, aggregation,
                                                                  weights, kinds):
-    args = cpu_config(tmp_path, GRPOConfig, max_steps=2, per_device_train_batch_size=16, multi_objective_aggregation=aggregation, reward_weights=weights)
+    args = cpu_config(tmp_path, GRPOConfig, max_steps=2, per_device_train_batch_size=16,
+                      multi_objective_aggregation=aggregation, reward_weights=weights)
     trainer = ScoredGRPO(tiny_model_dir, [completion_reward, prompt_reward], args=args, train_dataset=train_dataset)
     trainer.train()
     rewards = GRPORewards(trainer.reward_weights, trainer.num_generations, trainer.multi_objective_aggregation)

@@ -85,7 +85,8 @@ OVERRIDDEN_HOOKS = (
 # Attributes DPPO itself sets on the trainer outside its class bodies (the rest are defined there).
 DPPO_INSTANCE_ATTRIBUTES = {"_audit_log", "__dict__", "_run_clock", "_run_started", "_summary",
                             "view", "reward_form", "keep_decision", "prefix_sharing",
-                            "weighted_metrics", "placement", "prompt_cutter"}
+                            "weighted_metrics", "placement", "prompt_cutter",
+                            "weighted_loss"}
 
 
 def dppo_classes() -> list[ast.ClassDef]:
