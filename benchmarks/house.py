@@ -1,5 +1,5 @@
 """How dppo-trl meets TRL ("the house"), measured from outside, to compare before and after a refactor of
-``dppo_trl/`` (issue 51). Files are named by module (``dppo_trl.hooks.placement``); only dppo_trl's and trl's count.
+``dppo_trl/`` (issue 51). Files are named by module (``dppo_trl.components.placement``); only dppo_trl's and trl's count.
 
 Traced over one DPPO step on the tests' offline tiny Qwen2 on the CPU (``sys.setprofile``: ``call`` events; a
 ``return`` only closes a window). A window's tracked calls in order, named by file, consecutive ones in the same file

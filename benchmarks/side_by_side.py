@@ -143,7 +143,7 @@ def train(turns, name: str, model_dir: str, heldout: int, settings: dict) -> dic
     )
     trainer.remove_callback(PrinterCallback)  # a line per step shows the reward; the table reports the rest
     if name == "DPPO":  # its summary's wall time would count GRPO's turns; the table gives each method's own
-        from dppo_trl.hooks.summary import DPPOSummaryCallback
+        from dppo_trl.host.summary import DPPOSummaryCallback
 
         trainer.remove_callback(DPPOSummaryCallback)
     trainer.add_callback(turns_callback(turns))

@@ -14,7 +14,7 @@ from pathlib import Path
 from .preflight import PreflightError
 
 OUTPUTS_RECORD = ".dppo-trl-outputs.json"  # what dppo-trl wrote into this folder, by name
-SUMMARY_FILE = "dppo_summary.json"  # the run's summary (``hooks.summary``), written at the end of training
+SUMMARY_FILE = "dppo_summary.json"  # the run's summary (``host.summary``), written at the end of training
 
 # What a save writes at the top of a folder (transformers, PEFT, tokenizers, processors, TRL's card and table).
 SAVED_NAMES = (

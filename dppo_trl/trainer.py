@@ -1,5 +1,6 @@
 """``DPPOTrainer``: TRL's ``GRPOTrainer`` with unbiased completion pruning, Dense Prompt Packing and prompt pruning
-wired into its hooks. This module composes the mixins of ``dppo_trl.hooks`` (one idea each) and holds every TRL
+wired into its hooks. This module builds DPPO's components (``dppo_trl.components``), composes the host's mixins
+(``dppo_trl.host``) and holds every TRL
 hook DPPO overrides; the math lives in ``dppo_trl.core``. One ``GenerationBatch`` per generation batch carries
 DPPO's decisions from the hook that makes them to the passes that use them.
 
@@ -22,14 +23,14 @@ DPPO's decisions from the hook that makes them to the passes that use them.
 - ``_calculate_rewards``: keeps the rewards in the batch (rows whose A is 0 in exact arithmetic score 0).
 - Prompt pruning (``components.prompt_cut``, ``host.prompt_probe``): the cut of each step's candidates before
   generation, the probe's completions spliced into the accepted groups (``_generate_single_turn``).
-- The gradient audit (``hooks.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch; the speed
+- The gradient audit (``host.audit``, ``audit_every``): GRPO's and DPPO's gradients of an audited batch; the speed
   check (``speed_check``): GRPO's passes timed once beside DPPO's, what the run saved in ``log``'s last call and the
-  summary line (``hooks.summary``).
+  summary line (``host.summary``).
 - ``train``: refuses an ``output_dir`` holding a user's files that a save would overwrite or delete
-  (``dppo_trl.output_dir``), and writes the run's summary there at the end (``hooks.summary``); ``save_model``,
+  (``dppo_trl.output_dir``), and writes the run's summary there at the end (``host.summary``); ``save_model``,
   ``_save_checkpoint`` and ``log`` (``completions/``) record what the run wrote there.
-- Checkpoints: DPPO's state in one file (``hooks.checkpoint``); the model card names DPPO, and the completions
-  table carries each row's keep decision and weight (``hooks.model_card``).
+- Checkpoints: DPPO's state in one file (``host.checkpoint``); the model card names DPPO, and the completions
+  table carries each row's keep decision and weight (``host.model_card``).
 
 With ``completion_keep_rate=1.0``, ``prompt_keep_rate=1.0`` and ``packing=False`` every hook is TRL's own.
 """
@@ -48,8 +49,8 @@ from trl.trainer.utils import shuffle_sequence_dict
 from .config import DPPOConfig, as_dppo_config, audit_sharding_refusal
 from .core.packing import is_varlen_attention
 from .host.view import HostView
-from .hooks.audit import GradientAudit
-from .hooks.checkpoint import load_dppo_state, save_dppo_state
+from .host.audit import GradientAudit
+from .host.checkpoint import load_dppo_state, save_dppo_state
 from .adapters.grpo import GRPORewards
 from .components.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
 from .components.keep_decision import KeepDecision
@@ -59,10 +60,10 @@ from .components.prompt_cut import PromptCutter
 from .components.weighted_loss import WeightedLoss
 from .components.weighted_metrics import PolicyRatioSettings, WeightedMetrics
 from .components.view import local_rows
-from .hooks.model_card import DPPOModelCard
+from .host.model_card import DPPOModelCard
 from .host.passes import LogProbPasses
 from .host.prompt_probe import PromptProbe
-from .hooks.summary import DPPOSummaryCallback, RunClock, write_summary
+from .host.summary import DPPOSummaryCallback, RunClock, write_summary
 from .host.loss import DPPOLoss
 from .output_dir import check_output_dir, record_outputs
 from .preflight import check_trainer_inputs

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support import golden
 
-from dppo_trl.hooks.checkpoint import STATE_FILE, load_dppo_state
+from dppo_trl.host.checkpoint import STATE_FILE, load_dppo_state
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_mod
 
 
 def test_no_state_no_file(tmp_path):
-    from dppo_trl.hooks.checkpoint import save_dppo_state
+    from dppo_trl.host.checkpoint import save_dppo_state
 
     save_dppo_state(str(tmp_path), {"prompt_pruning": None, "audit": None})
     assert not (tmp_path / STATE_FILE).exists() and load_dppo_state(str(tmp_path)) == {}

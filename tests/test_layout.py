@@ -1,6 +1,6 @@
 """The package's layers (docs/layout.md): ``dppo_trl.core`` imports no TRL, transformers, accelerate or any other
 part of the package; ``dppo_trl.components`` imports no TRL, transformers or accelerate and, of the package, only
-``core`` and one another's plain data (``generation_batch``, ``view``); ``dppo_trl.hooks`` imports neither the
+``core`` and one another's plain data (``generation_batch``, ``view``); ``dppo_trl.host`` imports neither the
 trainer nor the CLI; the import graph of the package's modules has no cycle."""
 
 import ast
@@ -58,8 +58,10 @@ def test_components_import_no_trl_and_no_other_component_but_its_plain_data():
                 assert name.startswith(shared), (path.name, name)
 
 
-def test_hooks_import_neither_the_trainer_nor_the_cli():
-    for path in (ROOT / "hooks").glob("*.py"):
+def test_the_host_imports_neither_the_trainer_nor_the_cli():
+    paths = sorted((ROOT / "host").glob("*.py"))
+    assert len(paths) >= 4, "the host was not read"
+    for path in paths:
         for name in imports_of(path):
             assert not name.startswith(("dppo_trl.trainer", "dppo_trl.cli")), (path.name, name)
 

@@ -1,7 +1,7 @@
 """The TRL contract: every attribute of ``GRPOTrainer`` that DPPO's trainer and hooks read or write exists on a
 real ``GRPOTrainer`` with the expected type, every TRL hook DPPO overrides keeps the parameters DPPO's override
 takes, and the TRL helpers DPPO imports exist. Re-run on every TRL upgrade; a new ``self.X`` in dppo_trl/trainer.py
-or dppo_trl/hooks/ or dppo_trl/host/ fails here until it is listed (TRL's, with its type) or defined by DPPO."""
+or dppo_trl/host/ fails here until it is listed (TRL's, with its type) or defined by DPPO."""
 
 import ast
 import inspect
@@ -94,7 +94,7 @@ def dppo_classes() -> list[ast.ClassDef]:
     names = {cls.__name__ for cls in DPPOTrainer.__mro__ if cls.__module__.startswith("dppo_trl")}
     root = Path(dppo_trl.__file__).parent
     found = []
-    for path in [root / "trainer.py", *sorted((root / "hooks").glob("*.py")), *sorted((root / "host").glob("*.py"))]:
+    for path in [root / "trainer.py", *sorted((root / "host").glob("*.py"))]:
         found += [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name in names]
     assert {c.name for c in found} == names
     return found

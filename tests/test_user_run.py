@@ -67,7 +67,7 @@ def test_the_summary_and_the_tracker_carry_the_measured_ratio_without_the_audit(
 
 
 def test_a_timed_batch_unlike_the_runs_is_flagged(tmp_path, tiny_model_dir, train_dataset, capsys, monkeypatch):
-    from dppo_trl.hooks import audit
+    from dppo_trl.host import audit
 
     seen = []
     monkeypatch.setattr(audit, "representative_timing", lambda timed, run: seen.append((timed, run)) or False)

@@ -241,7 +241,7 @@ def run_one(name, settings, seed, setup, turns=None):
     from trl import GRPOConfig, GRPOTrainer
 
     from dppo_trl import DPPOConfig, DPPOTrainer
-    from dppo_trl.hooks.summary import DPPOSummaryCallback
+    from dppo_trl.host.summary import DPPOSummaryCallback
 
     grpo = settings is None or settings.get("trainer") == GRPO_TRAINER
     fields = {k: v for k, v in (settings or {}).items() if k != "trainer"}

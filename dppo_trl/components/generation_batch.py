@@ -23,7 +23,7 @@ UNKEPT_ROWS_KEY = "dppo_unkept_rows"
 @dataclasses.dataclass
 class AuditReference:
     """The audited batch's rows as GRPO has them (empty when the batch has no signal), what the batch is
-    (``hooks.audit``'s kinds), the seconds building it took, and the seconds GRPO's log-prob passes over every
+    (``host.audit``'s kinds), the seconds building it took, and the seconds GRPO's log-prob passes over every
     row would take (measured on the rows forwarded, scaled to all of them)."""
 
     rows: dict

@@ -3,7 +3,7 @@ and this package (TRL's card, with ``_name`` and ``_paper`` DPPO's), and a secti
 completions table (``log_completions``) gets each completion's keep decision and weight.
 
 Reads of the host trainer: ``args``, ``model``, ``_logs`` (TRL's completions table), ``create_model_card`` (TRL's),
-``_summary`` (the run's summary, ``hooks.summary``)."""
+``_summary`` (the run's summary, ``host.summary``)."""
 
 from __future__ import annotations
 
