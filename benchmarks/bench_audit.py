@@ -48,7 +48,7 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
 
     class Recorded(DPPOTrainer):
         def _record_audit(self, dppo, grpo, seconds, batch):
-            records = self._audit_records()
+            records = self.audit_ledger.records
             counted = len(records["projection"])
             super()._record_audit(dppo, grpo, seconds, batch)
             model_error = None if batch.prune_summary is None else batch.prune_summary[1]
@@ -56,13 +56,13 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
             self._bench_audit(batch, seconds, compared, model_error, len(records["projection"]) > counted)
 
         def _audit_generation_batch(self, batch, dppo_microbatches):
-            no_signal = self._audit_records()["no_signal"]
+            no_signal = self.audit_ledger.records["no_signal"]
             super()._audit_generation_batch(batch, dppo_microbatches)
-            if self._audit_records()["no_signal"] > no_signal:  # every score 0: counted, not compared
+            if self.audit_ledger.records["no_signal"] > no_signal:  # every score 0: counted, not compared
                 self._bench_audit(batch, batch.audit.seconds, {}, None, False)
 
         def _bench_audit(self, batch, seconds, compared, model_error, counted):
-            records = self._audit_records()
+            records = self.audit_ledger.records
             self.__dict__.setdefault("audits", []).append({
                 "step": self.state.global_step, "kind": batch.audit.kind, "seconds": seconds,
                 "cosine": compared.get("cosine"), "rel_error": compared.get("rel_error"),
@@ -110,7 +110,7 @@ def audit_run(design: str, keep_rate: float, seed: int, setup: dict) -> dict:
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    records = trainer._audit_records()
+    records = trainer.audit_ledger.records
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     sketch = trainer._audit_sketch or make_sketch(sum(p.numel() for p in params), args.audit_sketch_dim,
                                                   args.audit_exact_params, args.seed)

@@ -53,6 +53,7 @@ from .host.audit import GradientAudit
 from .host.checkpoint import load_dppo_state, save_dppo_state
 from .adapters.grpo import GRPORewards
 from .components.generation_batch import BATCH_KEY, ITERATION_WEIGHTS_KEY, UNKEPT_ROWS_KEY, GenerationBatch
+from .components.audit import AuditLedger
 from .components.keep_decision import KeepDecision
 from .components.placement import RowPlacement, resolve_packing
 from .components.prefix_sharing import PrefixSharing
@@ -129,8 +130,8 @@ class DPPOTrainer(
             )
         self._build_components()
         self._run_clock = RunClock()
-        self._summary = DPPOSummaryCallback(self._run_clock, self._speed_metrics, self._speed_summary,
-                                            self._audit_summary)
+        self._summary = DPPOSummaryCallback(self._run_clock, self.audit_ledger.speed_metrics, self._speed_summary,
+                                            self.audit_ledger.summary)
         self.add_callback(self._summary)
         if self.args.audit_every and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(audit_sharding_refusal(self.args.audit_every))
@@ -141,6 +142,7 @@ class DPPOTrainer(
         (``components.placement.resolve_packing``)."""
         args = self.args
         self.view = HostView(self)
+        self.audit_ledger = AuditLedger(args, self.view, self.num_iterations, self._speed_check_refusal())
         self.reward_form = GRPORewards(self.reward_weights, self.num_generations, self.multi_objective_aggregation)
         zero_score_contributes = self.beta != 0.0 or self._entropy_bonus_enabled
         self.keep_decision = KeepDecision(args, self.reward_form, self.view, zero_score_contributes,
@@ -364,11 +366,11 @@ class DPPOTrainer(
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """TRL's log; the run's last one (with ``train_runtime``) also gets what the run saved
-        (``_speed_metrics``) and its wall seconds, resumed parts included (``dppo/speed_run_seconds``). With
+        (``AuditLedger.speed_metrics``) and its wall seconds, resumed parts included (``dppo/speed_run_seconds``). With
         ``log_completions``, TRL's log writes ``completions/`` on the main process, so that is recorded then."""
         if "train_runtime" in logs:
             seconds = self._run_clock.seconds()
-            logs = {**logs, "dppo/speed_run_seconds": seconds, **self._speed_metrics(seconds)}
+            logs = {**logs, "dppo/speed_run_seconds": seconds, **self.audit_ledger.speed_metrics(seconds)}
         super().log(logs, start_time)
         if self.args.log_completions and self.accelerator.is_main_process:
             self._record_outputs()
@@ -385,7 +387,7 @@ class DPPOTrainer(
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            states = {"prompt_pruning": self.prompt_cutter.state_dict(), "audit": self._audit_state_dict(),
+            states = {"prompt_pruning": self.prompt_cutter.state_dict(), "audit": self.audit_ledger.state_dict(),
                       "run": self._run_clock.state_dict()}
             if os.path.isdir(folder):  # rotation deletes a new checkpoint below an older run's higher step
                 save_dppo_state(folder, states)
@@ -402,6 +404,6 @@ class DPPOTrainer(
         if self.args.prompt_pruning and "prompt_pruning" in states:
             self.prompt_cutter.load_state_dict(states["prompt_pruning"])
         if "audit" in states:
-            self._load_audit_state_dict(states["audit"])
+            self.audit_ledger.load_state_dict(states["audit"])
         if checkpoint and "run" in states:
             self._run_clock.load_state_dict(states["run"])

@@ -271,7 +271,7 @@ def main(argv):
         "widths": [[[run, k], w] for run, t in enumerate(trainers) for k, w in t.widths],
         "forward_calls": calls,
         "forward_passes": forward_passes(calls),
-        "speed_check_at": trainers[-1]._audit_records()["speed_check_at"],
+        "speed_check_at": trainers[-1].audit_ledger.records["speed_check_at"],
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "beta": args.beta,
         "wrapped": type(trainer.model_wrapped).__name__,

@@ -313,7 +313,7 @@ def test_with_every_row_kept_the_audit_reads_float_rounding_under_lora_dropout(t
     for dppo, grpo in trainer.audits:
         comparison = compare_gradients(dppo, grpo)
         assert comparison["rel_error"] < 1e-5 and comparison["cosine"] > 1 - 1e-9, comparison
-    assert trainer._audit_records()["projection"] == []  # every audit exact: nothing for the bias statistic
+    assert trainer.audit_ledger.records["projection"] == []  # every audit exact: nothing for the bias statistic
     assert not any("dppo/audit_bias_t" in h for h in trainer.state.log_history)
 
 
@@ -327,7 +327,7 @@ def test_under_the_entropy_filter_a_batch_with_rows_dropped_is_compared_and_coun
                      max_steps=8, audit_every=1, completion_keep_rate=0.5, keep_floor=1.0, top_entropy_quantile=0.5,
                      steps_per_generation=1, gradient_accumulation_steps=1)
     kept = [h["dppo/kept_fraction"] for h in trainer.state.log_history if "dppo/kept_fraction" in h]
-    records = trainer._audit_records()
+    records = trainer.audit_ledger.records
     dropped = sum(0.0 < k < 1.0 for k in kept)  # a batch that keeps nothing has no signal: nothing to compare
     assert dropped >= 2 and len(records["projection"]) == dropped, kept
     assert any("dppo/audit_bias_t" in h for h in trainer.state.log_history)
@@ -349,7 +349,7 @@ def test_a_batch_without_signal_is_counted_and_not_compared(tmp_path, tiny_model
                      num_generations=8, per_device_train_batch_size=16)
     logged = {k for h in trainer.state.log_history for k in h}
     assert not {"dppo/audit_cosine", "dppo/audit_rel_error", "dppo/audit_projection", "dppo/audit_bias_t"} & logged
-    records = trainer._audit_records()
+    records = trainer.audit_ledger.records
     assert records["audits"] == records["no_signal"] == 3 and records["cosine"] == records["projection"] == []
     assert not trainer.__dict__.get("audits")  # no gradient pass at all
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DPPO summary")][-1]
@@ -365,7 +365,7 @@ def test_the_audit_logs_its_metrics_and_the_summary_line_reports_it(tmp_path, ti
         assert -1 <= h["dppo/audit_cosine"] <= 1 and h["dppo/audit_rel_error"] >= 0 and h["dppo/audit_seconds"] > 0
         assert h["dppo/audit_noise_to_signal"] == pytest.approx(h["dppo/audit_rel_error"] / h["dppo/pruning_error"])
         assert h["dppo/audit_projection"] == pytest.approx(float((d - g) @ g) / float(g @ g), rel=1e-5)
-    projections = trainer._audit_records()["projection"]
+    projections = trainer.audit_ledger.records["projection"]
     assert projections == pytest.approx([compare_gradients(d, g)["projection"] for d, g in trainer.audits])
     with_t = [h for h in logged if "dppo/audit_bias_t" in h]
     assert len(with_t) == 2 and with_t[-1]["dppo/audit_bias_t"] == pytest.approx(bias_t(projections), rel=1e-5)
@@ -402,7 +402,7 @@ def test_the_measured_error_source_uses_earlier_audits_only(tmp_path, tiny_model
     trainer, _ = run(AuditRecorder, DPPOConfig, tmp_path, tiny_model_dir, train_dataset, max_steps=5, audit_every=1,
                      steps_per_generation=1, gradient_accumulation_steps=1, adaptive_keep_error=0.5,
                      adaptive_keep_error_source="audit")
-    ratios = trainer._audit_records()["ratio"]
+    ratios = trainer.audit_ledger.records["ratio"]
     assert len(trainer.scales) == 5 and len(ratios) == 5
     for b, (seen, scale) in enumerate(trainer.scales):
         assert seen == ratios[:b]
@@ -432,7 +432,7 @@ def test_the_bias_alarm_fires_for_topk_within_24_audits_and_not_for_the_unbiased
                      max_steps=24, audit_every=1, steps_per_generation=1, gradient_accumulation_steps=1,
                      completion_keep_rate=0.3, prune_sampling=sampling, num_generations=8,
                      per_device_train_batch_size=16, logging_steps=24)
-    records = trainer._audit_records()
+    records = trainer.audit_ledger.records
     assert records["audits"] == 24 and len(records["projection"]) >= 20 and trainer._audit_sketch.exact
     t = bias_t(records["projection"])
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DPPO summary")][-1]
@@ -454,8 +454,8 @@ def test_a_resumed_run_goes_on_with_the_audit_history(tmp_path, tiny_model_dir, 
     first = train(AuditRecorder, tmp_path / "split", tiny_model_dir, train_dataset, callbacks=[StopAt(3)], **split)
     second = build(AuditRecorder, tmp_path / "split", tiny_model_dir, train_dataset, **split)
     second.train(resume_from_checkpoint=str(tmp_path / "split" / "out" / "checkpoint-3"))
-    assert second._audit_records()["audits"] == whole._audit_records()["audits"] == 6
+    assert second.audit_ledger.records["audits"] == whole.audit_ledger.records["audits"] == 6
     for key in ("cosine", "ratio", "projection", "bias_t"):
-        assert second._audit_records()[key] == pytest.approx(whole._audit_records()[key], rel=1e-5, abs=1e-9), key
-    assert len(whole._audit_records()["bias_t"]) >= 4
+        assert second.audit_ledger.records[key] == pytest.approx(whole.audit_ledger.records[key], rel=1e-5, abs=1e-9), key
+    assert len(whole.audit_ledger.records["bias_t"]) >= 4
     assert [s for _, s in first.scales + second.scales] == pytest.approx([s for _, s in whole.scales], rel=1e-5)

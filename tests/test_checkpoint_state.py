@@ -85,7 +85,7 @@ def test_an_old_checkpoints_two_files_resume_as_the_one_file_does(kind, tiny_mod
     for name, p in from_new.items():
         assert torch.equal(p, from_old[name]), name
     if kind == "audit":
-        assert trainer_old._audit_records()["audits"] == trainer_new._audit_records()["audits"] > 0
+        assert trainer_old.audit_ledger.records["audits"] == trainer_new.audit_ledger.records["audits"] > 0
 
 
 def test_no_state_no_file(tmp_path):

@@ -222,3 +222,25 @@ def test_the_cut_accepts_every_candidate_until_it_knows_them_then_m_of_p_weighte
     second = cutter.decide(keys, None, candidates_per_rank=4)
     assert int(second.accepted.sum()) == 2 and float(second.pi.sum()) == pytest.approx(2.0)
     assert second.normalizer == pytest.approx(4 * 4 * 5)  # GRPO's count, every candidate's group: fixed before
+
+
+def test_the_audit_ledger_counts_compares_and_alarms_on_a_consistent_shortfall(tmp_path):
+    from dppo_trl.components.audit import COUNTED, PRUNED, AuditLedger
+
+    config = DPPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=GROUP, report_to=[], audit_every=1,
+                        completion_keep_rate=0.5)
+    view = SingleProcessView()
+    ledger = AuditLedger(config, view, iterations=1, speed_refusal=None)
+    assert ledger.plan(index=0, batches=10) == COUNTED
+    g = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    for i in range(12):  # DPPO's gradient 30% short of GRPO's along it, every time: a bias
+        ledger.count(PRUNED)
+        ledger.record_comparison((0.7 + 0.01 * (i % 3 - 1)) * g, g, PRUNED, model_error=0.1)
+    records = ledger.records
+    assert records["audits"] == 12 and records["projection"] == pytest.approx([-0.3 + 0.01 * (i % 3 - 1)
+                                                                               for i in range(12)])
+    assert records["alarm_at"] is not None and "BIAS ALARM" in ledger.summary()
+    assert view.metrics["dppo/audit_noise_to_signal"][0] == pytest.approx(0.31 / 0.1)
+    restored = AuditLedger(config, SingleProcessView(), iterations=1, speed_refusal=None)
+    restored.load_state_dict(ledger.state_dict())  # a resumed run goes on with the statistic
+    assert restored.records == records and restored.summary() == ledger.summary()

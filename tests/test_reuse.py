@@ -263,7 +263,7 @@ def test_the_speed_check_counts_every_iteration_and_says_so(tmp_path, tiny_model
     trainer = build(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, completion_keep_rate=0.5, num_iterations=2,
                     steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05)
     trainer.train()
-    records = trainer._audit_records()
+    records = trainer.audit_ledger.records
     assert len(records["step_time_ratio"]) == 1 and records["speed_check_at"] is not None
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DPPO summary")][-1]
     assert "1 batch timed; each generation batch trained num_iterations=2 times, every iteration counted" in line

@@ -83,10 +83,10 @@ OVERRIDDEN_HOOKS = (
     "create_model_card",
 )
 # Attributes DPPO itself sets on the trainer outside its class bodies (the rest are defined there).
-DPPO_INSTANCE_ATTRIBUTES = {"_audit_log", "__dict__", "_run_clock", "_run_started", "_summary",
+DPPO_INSTANCE_ATTRIBUTES = {"__dict__", "_run_clock", "_run_started", "_summary",
                             "view", "reward_form", "keep_decision", "prefix_sharing",
                             "weighted_metrics", "placement", "prompt_cutter",
-                            "weighted_loss"}
+                            "weighted_loss", "audit_ledger"}
 
 
 def dppo_classes() -> list[ast.ClassDef]:

@@ -38,7 +38,7 @@ def test_the_summary_and_the_tracker_carry_the_measured_ratio_without_the_audit(
                                                                                  train_dataset, capsys):
     tracker = Tracker()
     trainer = train(DPPOTrainer, tmp_path, tiny_model_dir, train_dataset, max_steps=3, callbacks=[tracker])
-    assert trainer.args.audit_every == 0 and trainer._audit_records()["audits"] == 0
+    assert trainer.args.audit_every == 0 and trainer.audit_ledger.records["audits"] == 0
     timed = [h for h in trainer.state.log_history if "dppo/audit_step_time_ratio" in h]
     assert len(timed) == 1 and timed[0]["step"] == 2  # the second generation batch, once
     final = tracker.logs[-1]
@@ -67,7 +67,7 @@ def test_the_summary_and_the_tracker_carry_the_measured_ratio_without_the_audit(
 
 
 def test_a_timed_batch_unlike_the_runs_is_flagged(tmp_path, tiny_model_dir, train_dataset, capsys, monkeypatch):
-    from dppo_trl.host import audit
+    from dppo_trl.components import audit
 
     seen = []
     monkeypatch.setattr(audit, "representative_timing", lambda timed, run: seen.append((timed, run)) or False)
@@ -130,7 +130,7 @@ def test_a_resumed_runs_summary_counts_the_whole_run(tmp_path, tiny_model_dir, t
     seconds = float(re.search(r"4 steps, (\d+) s", line).group(1))
     assert tracker.logs[-1]["dppo/speed_run_seconds"] >= earlier and seconds >= round(earlier) - 1
     # the speed check ran before the checkpoint: its timing comes back with it, and is not run again
-    assert second._audit_records()["speed_check_at"] is not None
+    assert second.audit_ledger.records["speed_check_at"] is not None
     assert not [h for h in second.state.log_history if h.get("step", 0) > 2 and "dppo/audit_step_time_ratio" in h]
     assert "dppo/speed_step_time_ratio" in tracker.logs[-1]
 

@@ -299,7 +299,7 @@ def run_one(name, settings, seed, setup, turns=None):
         "prefix_tokens_saved": [h["dppo/prefix_tokens_saved"] for h in trainer.state.log_history
                                 if "dppo/prefix_tokens_saved" in h] or None,
         # The audit's measured time ratios (DPPOConfig.audit_every > 0), one per audited batch.
-        "audit_times": {k: audit_log[k] for k in AUDIT_TIMES} if (audit_log := getattr(trainer, "_audit_log", None))
+        "audit_times": {k: audit_log[k] for k in AUDIT_TIMES} if (audit_log := getattr(getattr(trainer, "audit_ledger", None), "records", None))
         else None,
     }
 

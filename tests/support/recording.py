@@ -89,7 +89,7 @@ class Recorder:
     def _measured_error_scale(self):
         scale = super()._measured_error_scale()
         if self.record_error_scales:
-            append(self, "scales", (list(self._audit_records()["ratio"]), scale))
+            append(self, "scales", (list(self.audit_ledger.records["ratio"]), scale))
         return scale
 
     def _record_prompt_decision(self, take_decision, scores, batch):
