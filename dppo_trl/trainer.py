@@ -149,7 +149,7 @@ class DPPOTrainer(
                                           self._measured_error_scale)
         self.prompt_cutter = PromptCutter(args, self.reward_form, self.view)
         self.weighted_loss = WeightedLoss(args, self.loss_type, self.max_completion_length, self.view)
-        self.weighted_metrics = WeightedMetrics(self._policy_ratio_settings(), self.view, self.get_gamma_weights)
+        self.weighted_metrics = WeightedMetrics(self._policy_ratio_settings, self.view, self.get_gamma_weights)
         unwrapped = self.accelerator.unwrap_model(self.model)
         text_config = unwrapped.config.get_text_config()
         attention = getattr(unwrapped.config, "_attn_implementation", None) or ""
@@ -159,7 +159,7 @@ class DPPOTrainer(
                                             layout.one_sequence_per_row)
         self.placement = RowPlacement(
             args, layout, self.prefix_sharing, self.view, follow_trl_split=self.top_entropy_quantile < 1.0,
-            per_sequence_ratio=str(self.vllm_importance_sampling_mode).startswith("sequence"),
+            per_sequence_ratio=lambda: str(self.vllm_importance_sampling_mode).startswith("sequence"),
             pad_token_id=self._tokenizer.pad_token_id, tolerance=self.RANK_BALANCE_TOLERANCE,
         )
 
@@ -169,7 +169,8 @@ class DPPOTrainer(
         return self.keep_decision.last_keep
 
     def _policy_ratio_settings(self) -> PolicyRatioSettings:
-        """TRL's settings of the policy ratio and of the vLLM correction, as ``GRPOTrainer`` resolved them."""
+        """TRL's settings of the policy ratio and of the vLLM correction, as they stand (TRL reads them at each
+        use)."""
         a = self.args
         return PolicyRatioSettings(
             self.loss_type, self.epsilon_low, self.epsilon_high, self.importance_sampling_level,

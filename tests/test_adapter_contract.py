@@ -2,7 +2,6 @@
 upgrade that changes one fails the test named for it."""
 
 import pytest
-import torch
 from support.configs import cpu_config
 from trl import GRPOConfig, GRPOTrainer
 

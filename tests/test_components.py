@@ -111,7 +111,7 @@ def test_trls_means_over_the_kept_rows_become_weighted_estimates_in_the_views_si
     for name in names:
         view.log_metric(name, -1.0)  # TRL's plain means of this micro-batch
     settings = PolicyRatioSettings("dapo", 0.2, 0.2, "token", "token_truncate", None, 2.0)
-    metrics = WeightedMetrics(settings, view)
+    metrics = WeightedMetrics(lambda: settings, view)
     entropies = torch.tensor([[1.0, 2.0, 0.0], [4.0, 4.0, 4.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     logps = torch.zeros(2, 3, dtype=torch.float64)
@@ -137,7 +137,7 @@ def test_a_sampling_metric_without_an_estimate_is_dropped_not_logged_as_trls():
         "completion_mask": torch.ones(2, 2), "importance_sampling_ratio": torch.ones(2, 2),
         "dppo_weight": torch.tensor([2.0, 0.0]), "dppo_origin_rank": torch.zeros(2, dtype=torch.long),
     }
-    WeightedMetrics(settings, view).recompute_vllm_importance_sampling(output, torch.tensor([0]))
+    WeightedMetrics(lambda: settings, view).recompute_vllm_importance_sampling(output, torch.tensor([0]))
     # the kept row's tokens were never scored by the sampler: no logp difference, a ratio of 1
     assert "sampling/sampling_logp_difference/mean" not in view.metrics
     assert "sampling/sampling_logp_difference/max" not in view.metrics
@@ -151,7 +151,7 @@ def placement(tmp_path, view, **fields):
                         per_device_train_batch_size=4, prefix_sharing=False, **fields)
     sharing = prefix_sharing(tmp_path, prefix_sharing=False)
     return RowPlacement(config, ModelLayout(packing=config.packing), sharing, view, follow_trl_split=False,
-                        per_sequence_ratio=False, pad_token_id=0, tolerance=0.1)
+                        per_sequence_ratio=lambda: False, pad_token_id=0, tolerance=0.1)
 
 
 def padded_rows(lengths: list[tuple[int, int]], prompt_width=4, completion_width=5, seed=0):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -111,13 +112,14 @@ class RowPlacement:
         view: the trainer (``components.view.TrainerView``).
         follow_trl_split: micro-batches hold TRL's own split (the entropy filter's quantile is a statistic of one
             micro-batch at its forward, which only TRL's split reproduces).
-        per_sequence_ratio: the vLLM importance-sampling ratio is one per row (``sequence_*`` modes).
+        per_sequence_ratio: whether the vLLM importance-sampling ratio is one per row (``sequence_*`` modes), as the
+            trainer's setting stands at the call.
         pad_token_id: the tokenizer's.
         tolerance: a rank's kept tokens may exceed the mean by this fraction before rows move.
     """
 
     def __init__(self, config, layout: ModelLayout, prefix_sharing, view: TrainerView, follow_trl_split: bool,
-                 per_sequence_ratio: bool, pad_token_id: int, tolerance: float):
+                 per_sequence_ratio: Callable[[], bool], pad_token_id: int, tolerance: float):
         self.config, self.layout, self.prefix_sharing, self.view = config, layout, prefix_sharing, view
         self.follow_trl_split, self.per_sequence_ratio = follow_trl_split, per_sequence_ratio
         self.pad_token_id, self.tolerance = pad_token_id, tolerance
@@ -166,10 +168,11 @@ class RowPlacement:
         widths = batch.padded_widths.amax(0).tolist()
         batch.widths_per_rank = [sum(widths)] * self.view.world_size  # every rank pads to the widest
         leaving = output["dppo_keep"].nonzero().flatten()[leaving]
+        per_sequence = self.per_sequence_ratio()
         out = dict(output)
         per_row = (k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() and len(v) == local_rows)
         for key in sorted(per_row):
-            value = pad_to_width(output, key, *widths, self.pad_token_id, self.per_sequence_ratio)
+            value = pad_to_width(output, key, *widths, self.pad_token_id, per_sequence)
             send = value.new_zeros(slots, *value.shape[1:]) if key != "dppo_keep" else value.new_ones(slots)
             send[: len(leaving)] = value[leaving]
             gathered = self.view.gather(send if key != "dppo_keep" else send.long()).to(value.dtype)

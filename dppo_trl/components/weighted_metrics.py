@@ -43,12 +43,14 @@ class WeightedMetrics:
     """Puts Horvitz-Thompson estimates of GRPO's values in place of TRL's means over the kept rows.
 
     Args:
-        settings: ``PolicyRatioSettings``.
+        settings: the TRL trainer's ``PolicyRatioSettings`` as they stand at the call (TRL reads its attributes at
+            each use; a user may change the vLLM correction's mode between batches).
         view: the trainer (``components.view.TrainerView``).
         gamma_weights: TRL's VESPO weights (``GRPOTrainer.get_gamma_weights``).
     """
 
-    def __init__(self, settings: PolicyRatioSettings, view: TrainerView, gamma_weights: Callable | None = None):
+    def __init__(self, settings: Callable[[], PolicyRatioSettings], view: TrainerView,
+                 gamma_weights: Callable | None = None):
         self.settings, self.view, self.gamma_weights = settings, view, gamma_weights
 
     @torch.no_grad()
@@ -56,7 +58,7 @@ class WeightedMetrics:
         """Replace TRL's plain means over the kept rows (``entropy``, ``clip_ratio/*_mean``, ``cispo_clip_ratio``,
         ``vespo/phi_seq_mean``) by their Horvitz-Thompson estimates of GRPO's values; the clip conditions are
         TRL's, on the unweighted advantages."""
-        s = self.settings
+        s = self.settings()
         old = inputs.get("old_per_token_logps")
         log_ratio = logps.detach() - (logps.detach() if old is None else old)
         log_weights = sequence_log_ratio(log_ratio, mask) if s.importance_sampling_level == "sequence" else log_ratio
@@ -82,7 +84,7 @@ class WeightedMetrics:
         both from the real old-policy log-probs of the forwarded ``rows``. The means follow TRL's definition, the
         mean over ranks of each rank's mean, each rank's (over the rows it generated, wherever they train now) as
         a Horvitz-Thompson weighted mean. Called on every rank: it gathers."""
-        s = self.settings
+        s = self.settings()
         mask = loss_mask(output)
         old, sampled, mask = output["old_per_token_logps"][rows], output["sampling_per_token_logps"][rows], mask[rows]
         weight = output["dppo_weight"][rows]
