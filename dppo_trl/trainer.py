@@ -144,8 +144,7 @@ class DPPOTrainer(
         self.view = HostView(self)
         self.audit_ledger = AuditLedger(args, self.view, self.num_iterations, self._speed_check_refusal())
         self.reward_form = GRPORewards(self.reward_weights, self.num_generations, self.multi_objective_aggregation)
-        zero_score_contributes = self.beta != 0.0 or self._entropy_bonus_enabled
-        self.keep_decision = KeepDecision(args, self.reward_form, self.view, zero_score_contributes,
+        self.keep_decision = KeepDecision(args, self.reward_form, self.view, self._zero_score_contributes,
                                           self._measured_error_scale)
         self.prompt_cutter = PromptCutter(args, self.reward_form, self.view)
         self.weighted_loss = WeightedLoss(args, self.loss_type, self.max_completion_length, self.view)
@@ -167,6 +166,10 @@ class DPPOTrainer(
     def last_global_keep(self) -> torch.Tensor | None:
         """The last generation batch's rows (every rank's) that some iteration keeps, the same on every rank."""
         return self.keep_decision.last_keep
+
+    def _zero_score_contributes(self) -> bool:
+        """Whether a row with A == 0 contributes to the loss: a KL term or an entropy bonus (TRL's settings now)."""
+        return self.beta != 0.0 or self._entropy_bonus_enabled
 
     def _policy_ratio_settings(self) -> PolicyRatioSettings:
         """TRL's settings of the policy ratio and of the vLLM correction, as they stand (TRL reads them at each

@@ -16,7 +16,7 @@ GROUP = 4
 def keep_decision(tmp_path, view, **fields):
     config = DPPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=GROUP, report_to=[], **fields)
     rewards = GRPORewards(torch.ones(1), GROUP, config.multi_objective_aggregation)
-    return KeepDecision(config, rewards, view, zero_score_contributes=False)
+    return KeepDecision(config, rewards, view, zero_score_contributes=lambda: False)
 
 
 def scored_batch():

@@ -25,11 +25,12 @@ class KeepDecision:
         rewards: the TRL trainer's reward form (``adapters.grpo.GRPORewards``): aggregated rewards and the rows
             whose advantage is exactly 0.
         view: the trainer (``components.view.TrainerView``).
-        zero_score_contributes: whether a row with A == 0 still contributes (a KL or an entropy-bonus term).
+        zero_score_contributes: whether a row with A == 0 still contributes (a KL or an entropy-bonus term), as
+            the trainer's settings stand at the draw.
         error_scale: how much the measured pruning error exceeded the model's (the audit's; 1 without one).
     """
 
-    def __init__(self, config, rewards, view: TrainerView, zero_score_contributes: bool,
+    def __init__(self, config, rewards, view: TrainerView, zero_score_contributes: Callable[[], bool],
                  error_scale: Callable[[], float] = lambda: 1.0):
         self.config, self.rewards, self.view = config, rewards, view
         self.zero_score_contributes, self.error_scale = zero_score_contributes, error_scale
@@ -85,7 +86,7 @@ class KeepDecision:
             rewards=None if batch.rewards_per_func is None else self.rewards.aggregate(batch.rewards_per_func),
             keep_rate=config.completion_keep_rate * completion_budget_scale(batch),
             keep_floor=config.keep_floor,
-            zero_score_contributes=self.zero_score_contributes,
+            zero_score_contributes=self.zero_score_contributes(),
             contributes_nothing=batch.loss_tokens == 0,
             budget_in_tokens=config.keep_budget == "tokens",
             length_exponent=config.length_exponent,

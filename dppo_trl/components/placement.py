@@ -84,13 +84,12 @@ def resolve_packing(packing: bool, model, text_config, varlen_attention: bool) -
 
 @dataclasses.dataclass
 class PackedCall:
-    """One forward call's packed inputs (``model_inputs``, the model's keyword arguments but the 4-D mask, which
-    ``prefix_layout`` describes where rows share a prompt) and where each packed token goes back in TRL's padded
-    ``(B, T)`` layout (``index``: packed row, packed column, padded row, padded column)."""
+    """One forward call's packed inputs (``model_inputs``, the model's keyword arguments) and where each packed
+    token goes back in TRL's padded ``(B, T)`` layout (``index``: packed row, packed column, padded row, padded
+    column)."""
 
     model_inputs: dict
     index: tuple
-    prefix_layout: tuple | None
     rows: int
     logits_to_keep: int
 
@@ -250,7 +249,7 @@ class RowPlacement:
             packed["attention_mask"] = (layout[0] == 0).long()
         elif self.layout.varlen_attention:  # flash finds boundaries from position_ids only in a batch of one row
             packed.update(varlen_kwargs(packed["position_ids"]))
-        return PackedCall(packed, index, layout, input_ids.size(0), logits_to_keep)
+        return PackedCall(packed, index, input_ids.size(0), logits_to_keep)
 
     def kept_microbatches(self, rows: dict, batch: GenerationBatch, iteration: int = 0) -> list[dict]:
         """Split this rank's kept rows (in TRL's shuffled order) into ``steps_per_generation`` micro-batches

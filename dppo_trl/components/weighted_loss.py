@@ -67,11 +67,14 @@ class LossScales:
 
     @property
     def token_normalizer(self) -> float:
-        """TRL's token normalizer of a micro-batch of the full batch's mean size
-        (``estimator.loss_token_normalizer``)."""
-        a = self.norm_args
-        return loss_token_normalizer(a["loss_tokens_in_generation_batch"], a["num_processes"],
-                                     a["steps_per_generation"], a["accumulation_steps"])
+        """TRL's token normalizer of a micro-batch of the full batch's mean size."""
+        return token_normalizer(self.norm_args)
+
+
+def token_normalizer(norm_args: dict) -> float:
+    """``estimator.loss_token_normalizer`` of a micro-batch's ``norm_args``."""
+    return loss_token_normalizer(norm_args["loss_tokens_in_generation_batch"], norm_args["num_processes"],
+                                 norm_args["steps_per_generation"], norm_args["accumulation_steps"])
 
 
 class WeightedLoss:
@@ -103,9 +106,7 @@ class WeightedLoss:
         if self.config.prompt_pruning:  # its token count is planned: the batch GRPO would have drawn is never made
             per_microbatch = torch.ones_like(tokens)
         else:  # TRL's bnpo and entropy bonus divide by the row's own micro-batch's tokens in TRL's random split
-            mean = loss_token_normalizer(norm_args["loss_tokens_in_generation_batch"], self.view.world_size,
-                                         self.config.steps_per_generation, accumulation_steps) / accumulation_steps
-            per_microbatch = trl_microbatch_token_scale(tokens, mean)
+            per_microbatch = trl_microbatch_token_scale(tokens, token_normalizer(norm_args) / accumulation_steps)
         counts_microbatch = self.record.normalizer == "microbatch_tokens"
         return LossScales(norm_args, full_z, per_microbatch, weight * per_microbatch if counts_microbatch else weight)
 
